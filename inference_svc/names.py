@@ -1,0 +1,12 @@
+"""Names on the wire that other parts (probes, manifests, the sidecar) rely on."""
+
+# grpc.health.v1 service names.
+HEALTH_OVERALL = ""
+HEALTH_INFERENCE = "inference.v1.Inference"
+HEALTH_LIVENESS = "liveness"
+# NOT_SERVING from process start until MarkServing; liveness SERVING once listening.
+GATED_HEALTH_NAMES = (HEALTH_OVERALL, HEALTH_INFERENCE)
+
+DEFAULT_PORT = 50051
+DEFAULT_ADMIN_PORT = 50052
+DEFAULT_ADMIN_HOST = "127.0.0.1"

@@ -1,0 +1,1 @@
+"""warmup_ctl: the sidecar that plans and drives the warmup of inference_svc."""
