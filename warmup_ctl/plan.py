@@ -107,6 +107,9 @@ def _model_steps(p: ModelProfile) -> tuple[list[Step], list[Step]]:
     elif not p.has_kv_cache:
         why = f"{n} shape buckets; no KV-cache profile run would compile this model"
         steps.append(Step(StepKind.COMPILE, p.name, reason=why))
+    elif p.kv_cache_explicit:
+        why = f"{n} prefill/decode buckets (KV-cache size explicit: no PROFILE run compiles any)"
+        steps.append(Step(StepKind.COMPILE, p.name, reason=why))
     else:
         why = f"{n} prefill/decode buckets, except those PROFILE already compiled"
         steps.append(Step(StepKind.COMPILE, p.name, reason=why))
