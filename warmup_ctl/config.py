@@ -1,0 +1,100 @@
+"""The sidecar's settings: parsed once, from flags and the environment, into a frozen Config.
+
+Environment variables (read only by parse_args, never at import time):
+  WARMUP_CTL_ADMIN   the service's admin address, host:port (the default for --admin)
+  WARMUP_CTL_PUBLIC  the service's public address, host:port (the default for --public)
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from inference_svc import names
+
+ENV_ADMIN = "WARMUP_CTL_ADMIN"
+ENV_PUBLIC = "WARMUP_CTL_PUBLIC"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class Config:
+    # WarmupAdmin address (loopback: the sidecar shares the service's network namespace).
+    admin: str = f"{names.DEFAULT_ADMIN_HOST}:{names.DEFAULT_ADMIN_PORT}"
+    # Public address: checked with grpc.health.v1 after MarkServing, and shown to the operator.
+    public: str = f"127.0.0.1:{names.DEFAULT_PORT}"
+    # Warm once and exit: 0 once SERVING, 1 with the reason otherwise.
+    once: bool = False
+    # Seconds to wait for the admin port to answer and the models to load.
+    connect_timeout: float = 900.0
+    # Deadline of one Warmup call. A cold compile of a real model on 2 CPU cores takes
+    # minutes per graph, and one COMPILE step may compile several graphs.
+    step_timeout: float = 1800.0
+    # Retries of a failed step (attempts = retries + 1), and of Reseed / MarkServing.
+    retries: int = 3
+    # Seconds between Describe polls while watching for a restart.
+    poll_interval: float = 2.0
+    # Exponential backoff between retries: first wait, and the cap.
+    backoff_initial: float = 0.5
+    backoff_max: float = 15.0
+    # Deadline of Describe, Reseed, MarkServing and the health check.
+    rpc_timeout: float = 10.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        for name in ("connect_timeout", "step_timeout", "poll_interval", "rpc_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if not 0 < self.backoff_initial <= self.backoff_max:
+            raise ValueError(
+                f"need 0 < backoff_initial <= backoff_max, got "
+                f"{self.backoff_initial} and {self.backoff_max}"
+            )
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log level {self.log_level!r}; expected one of {LOG_LEVELS}")
+
+
+def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    d = Config()
+    p = argparse.ArgumentParser(
+        prog="warmup-ctl",
+        description="Plans and drives the warmup of inference-svc, reseeds it, marks it "
+        "SERVING, then watches for a restart and does it again.",
+    )
+    p.add_argument("--admin", default=environ.get(ENV_ADMIN, d.admin), help=f"env {ENV_ADMIN}")
+    p.add_argument("--public", default=environ.get(ENV_PUBLIC, d.public), help=f"env {ENV_PUBLIC}")
+    p.add_argument("--once", action="store_true", help="warm once and exit (0 SERVING, 1 failed)")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, metavar="S")
+    p.add_argument("--step-timeout", type=float, default=d.step_timeout, metavar="S")
+    p.add_argument("--retries", type=int, default=d.retries, help="retries of a failed step")
+    p.add_argument("--poll-interval", type=float, default=d.poll_interval, metavar="S")
+    p.add_argument("--backoff-initial", type=float, default=d.backoff_initial, metavar="S")
+    p.add_argument("--backoff-max", type=float, default=d.backoff_max, metavar="S")
+    p.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout, metavar="S")
+    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    return p
+
+
+def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config:
+    """Flags over environment over defaults; exits with a usage message on a bad value."""
+    parser = _parser(environ)
+    a = parser.parse_args(argv)
+    try:
+        return Config(
+            admin=a.admin,
+            public=a.public,
+            once=a.once,
+            connect_timeout=a.connect_timeout,
+            step_timeout=a.step_timeout,
+            retries=a.retries,
+            poll_interval=a.poll_interval,
+            backoff_initial=a.backoff_initial,
+            backoff_max=a.backoff_max,
+            rpc_timeout=a.rpc_timeout,
+            log_level=a.log_level,
+        )
+    except ValueError as e:
+        parser.error(str(e))

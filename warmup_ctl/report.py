@@ -1,0 +1,69 @@
+"""What the sidecar tells the operator: the plan as a table, and one line per step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from inference_svc._pb.inference.v1 import admin_pb2
+from warmup_ctl import convert, plan
+
+
+@dataclass(frozen=True)
+class Todo:
+    """One Warmup step to run, with where it came from."""
+
+    step: plan.Step
+    # The service reports that this process already ran it.
+    done: bool = False
+    # In the service's required_steps but not in the local plan.
+    service_only: bool = False
+
+
+def _table(rows: Sequence[tuple[str, str, str, str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [
+        "  " + "  ".join(c.ljust(w) for c, w in zip(r, [*widths, 0], strict=True)).rstrip()
+        for r in rows
+    ]
+
+
+def format_plan(
+    boot_id: str, todo: Sequence[Todo], skipped: Sequence[plan.Step], seed: int, models: int
+) -> str:
+    """The whole plan, numbered as the steps will be logged, then every skip with its reason."""
+    n = len(todo) + 2
+    rows: list[tuple[str, str, str, str]] = [("#", "step", "model", "reason")]
+    for k, item in enumerate(todo, 1):
+        reason = item.step.reason or "(no reason given)"
+        if item.service_only:
+            reason += " [required by the service; not in the local plan]"
+        if item.done:
+            reason += " [already done in this process]"
+        rows.append((str(k), item.step.kind.name, item.step.model, reason))
+    rows.append((str(n - 1), "RESEED", "", f"seed {seed}; always, after the last warmup step"))
+    rows.append((str(n), "MARK_SERVING", "", "always, last"))
+    for s in skipped:
+        rows.append(("-", s.kind.name, s.model, f"skipped: {s.reason or '(no reason given)'}"))
+    head = f"warmup plan for boot {boot_id}: {models} model(s), {n} step(s), {len(skipped)} skipped"
+    return "\n".join([head, *_table(rows)])
+
+
+def step_label(k: int, n: int, step: plan.Step) -> str:
+    return f"step {k}/{n}: {step.kind.name} {step.model}".rstrip()
+
+
+def format_result(label: str, resp: admin_pb2.WarmupResponse) -> str:
+    """'step 2/6: COMPILE minilm 12.3 s, 1 compile event, 4 shapes: detail'."""
+    if resp.skipped:
+        return f"{label} skipped by the service: {resp.skip_reason or '(no reason given)'}"
+    events = resp.compile_events
+    parts = [f"{resp.seconds:.1f} s", f"{events} compile event{'' if events == 1 else 's'}"]
+    if resp.shapes:
+        parts.append(f"{len(resp.shapes)} shape{'' if len(resp.shapes) == 1 else 's'}")
+    if resp.sampler_paths:
+        parts.append(f"paths {convert.path_names(resp.sampler_paths)}")
+    if resp.kv_cache_tokens:
+        parts.append(f"KV cache {resp.kv_cache_tokens} tokens")
+    text = f"{label} {', '.join(parts)}"
+    return f"{text}: {resp.detail}" if resp.detail else text
