@@ -1,0 +1,48 @@
+"""``inference-svc``: run the service until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from inference_svc.app import Service
+from inference_svc.config import ServiceConfig, parse_config
+
+log = logging.getLogger("inference_svc")
+
+
+async def serve(config: ServiceConfig) -> int:
+    service = Service(config)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    assert service.load_task is not None
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({service.load_task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if service.load_task.done() and service.load_task.exception() is not None:
+        exc = service.load_task.exception()
+        log.error("loading the models failed: %s", exc, exc_info=exc)
+        await service.stop(0)
+        return 1
+    await stopper
+    await service.stop()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

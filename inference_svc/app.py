@@ -1,0 +1,112 @@
+"""The service process: public and admin gRPC servers around one engine.
+
+Public port: Inference, grpc.health.v1 and reflection. Admin port (loopback by
+default): WarmupAdmin. Health starts NOT_SERVING for "" and
+inference.v1.Inference (the stock servicer would start "" SERVING: a trap), and
+SERVING for "liveness" as soon as the process listens. Models load in the
+background after the ports listen, so liveness answers during the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from inference_svc.config import ServiceConfig
+from inference_svc.engine.core import Engine
+from inference_svc.names import GATED_HEALTH_NAMES, HEALTH_LIVENESS
+from inference_svc.server import AdminServicer, InferenceServicer
+
+log = logging.getLogger(__name__)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Service:
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.engine = Engine(config)
+        self.health = health.aio.HealthServicer()
+        self.public = grpc.aio.server()
+        self.admin = grpc.aio.server()
+        self.port = 0
+        self.admin_port = 0
+        self.load_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen on both ports, then start loading the models in the background."""
+        c = self.config
+        for name in GATED_HEALTH_NAMES:
+            await self.health.set(name, NOT_SERVING)
+        await self.health.set(HEALTH_LIVENESS, SERVING)
+        inference_pb2_grpc.add_InferenceServicer_to_server(
+            InferenceServicer(self.engine), self.public
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.public)
+        names = (
+            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(names, self.public)
+        admin_pb2_grpc.add_WarmupAdminServicer_to_server(AdminServicer(self.engine), self.admin)
+        self.port = self.public.add_insecure_port(f"{c.host}:{c.port}")
+        self.admin_port = self.admin.add_insecure_port(f"{c.admin_host}:{c.admin_port}")
+        await self.public.start()
+        await self.admin.start()
+        loop = asyncio.get_running_loop()
+        self.engine.on_health = lambda serving, reason: loop.call_soon_threadsafe(
+            lambda: loop.create_task(self._set_health(serving, reason))
+        )
+        log.info(
+            "listening: public %s:%d, admin %s:%d (boot %s); health NOT_SERVING until warmed",
+            c.host,
+            self.port,
+            c.admin_host,
+            self.admin_port,
+            self.engine.boot_id,
+        )
+        self._write_port_file()
+        self.load_task = asyncio.create_task(asyncio.to_thread(self.engine.load))
+
+    async def loaded(self) -> None:
+        assert self.load_task is not None, "start() first"
+        await self.load_task
+
+    async def _set_health(self, serving: bool, reason: str) -> None:
+        for name in GATED_HEALTH_NAMES:
+            await self.health.set(name, SERVING if serving else NOT_SERVING)
+        log.info("health: %s (%s)", "SERVING" if serving else "NOT_SERVING", reason)
+
+    def _write_port_file(self) -> None:
+        if not self.config.port_file:
+            return
+        path = Path(self.config.port_file)
+        tmp = path.with_suffix(".tmp")
+        data = {
+            "port": self.port,
+            "admin_port": self.admin_port,
+            "pid": os.getpid(),
+            "boot_id": self.engine.boot_id,
+        }
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health NOT_SERVING at once; in-flight calls get ``grace`` seconds."""
+        grace = self.config.grace_period if grace is None else grace
+        log.info("shutting down: health NOT_SERVING, %.0f s grace for in-flight calls", grace)
+        await self.health.enter_graceful_shutdown()
+        await self.admin.stop(0)
+        await self.public.stop(grace)
+        if self.load_task is not None and not self.load_task.done():
+            self.load_task.cancel()
+        self.engine.close()

@@ -1,0 +1,1 @@
+"""The engine: batching, warmup steps, the serving gate."""

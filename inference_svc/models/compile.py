@@ -1,0 +1,50 @@
+"""How a model function is compiled under each compilation mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from warmup_ctl.plan import CompilationMode
+
+_MODES = {
+    CompilationMode.DEFAULT: "default",
+    CompilationMode.MAX_AUTOTUNE: "max-autotune-no-cudagraphs",
+}
+
+
+def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., Any]:
+    """``fn`` itself in mode NONE, else ``torch.compile(fn)`` with dynamic shapes.
+
+    Every dimension that varies (batch, padded length) is dynamic; callers pad
+    them to at least 2 so no 0/1 specialisation is left to compile later.
+    CUDA graphs stay off: the KV cache is written in place between calls.
+    """
+    if mode is CompilationMode.NONE:
+        return fn
+    return torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
+
+
+def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` up to ``limit`` (``limit`` itself last)."""
+    out: list[int] = []
+    n = smallest
+    while n < limit:
+        out.append(n)
+        n *= 2
+    out.append(limit)
+    return tuple(out)
+
+
+def batch_buckets(limit: int) -> tuple[int, ...]:
+    """Powers of two from 2 up to ``limit``: a batch of 1 is padded to 2."""
+    return length_buckets(max(limit, 2), smallest=2)
+
+
+def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

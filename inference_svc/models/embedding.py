@@ -1,0 +1,120 @@
+"""The embedding model: a sentence-transformers style encoder with pooling."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
+from inference_svc.models.loading import offline
+from warmup_ctl.plan import CompilationMode
+
+log = logging.getLogger(__name__)
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def pooling_mode(directory: Path) -> str:
+    """'mean' or 'cls', from sentence-transformers' 1_Pooling/config.json (mean if absent)."""
+    cfg = _read_json(directory / "1_Pooling" / "config.json")
+    if cfg.get("pooling_mode_cls_token"):
+        return "cls"
+    return "mean"
+
+
+class _Pooled(torch.nn.Module):
+    """Encoder + pooling as one module: the graph that gets compiled."""
+
+    def __init__(self, encoder: torch.nn.Module, mode: str) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.mode = mode
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        out = self.encoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=torch.zeros_like(input_ids),
+        )
+        hidden = out.last_hidden_state.float()
+        if self.mode == "cls":
+            return hidden[:, 0]
+        mask = attention_mask[..., None].to(hidden.dtype)
+        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+
+
+class EmbeddingModel:
+    has_kv_cache = False
+
+    def __init__(
+        self,
+        name: str,
+        pooled: _Pooled,
+        tokenizer: object,
+        max_input_tokens: int,
+        max_batch: int,
+        mode: CompilationMode,
+        monitor: CompileMonitor,
+    ) -> None:
+        self.name = name
+        self.tokenizer = tokenizer
+        self.max_input_tokens = max_input_tokens
+        self.max_batch = max_batch
+        self.mode = mode
+        self.monitor = monitor
+        param = next(pooled.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.dimensions = pooled.encoder.config.hidden_size
+        self.vocab_size = pooled.encoder.config.vocab_size
+        self.batch_buckets = batch_buckets(max_batch)
+        self.length_buckets = length_buckets(max_input_tokens)
+        self.pad_id = tokenizer.pad_token_id or 0
+        self._forward = compile_fn(pooled, mode)
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids per text, untruncated (the caller checks the limit)."""
+        return [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
+
+    def truncate(self, ids: list[int]) -> list[int]:
+        """Cut to the limit, keeping the final [SEP] token as the tokenizer would."""
+        return ids[: self.max_input_tokens - 1] + ids[-1:]
+
+    @torch.inference_mode()
+    def forward(self, ids: Tensor, mask: Tensor, path: str = "embed") -> Tensor:
+        shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
+        with self.monitor.context(self.name, path, shapes):
+            return self._forward(ids.to(self.device), mask.to(self.device)).float().cpu()
+
+    def dummy_run(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
+        ids = torch.randint(1000, self.vocab_size, (batch, length), generator=gen)
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[0, length // 2 :] = 0  # a padded row, as real batches have
+        return self.forward(ids, mask, "warmup")
+
+
+def load_embedding(
+    name: str,
+    directory: Path,
+    max_batch: int,
+    mode: CompilationMode,
+    monitor: CompileMonitor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> EmbeddingModel:
+    from transformers import AutoModel, AutoTokenizer
+
+    offline()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    encoder = AutoModel.from_pretrained(str(directory), local_files_only=True, dtype=dtype)
+    st_limit = _read_json(directory / "sentence_bert_config.json").get("max_seq_length")
+    limit = int(st_limit or encoder.config.max_position_embeddings)
+    limit = min(limit, encoder.config.max_position_embeddings)
+    pooled = _Pooled(encoder, pooling_mode(directory)).to(device).eval()
+    return EmbeddingModel(name, pooled, tokenizer, limit, max_batch, mode, monitor)

@@ -1,0 +1,188 @@
+"""The generative model: tokenizer, Llama forward passes, the static KV cache."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
+from inference_svc.models.llama import LlamaLM, LlamaShape
+from inference_svc.models.loading import load_hf_causal_lm
+from warmup_ctl.plan import CompilationMode
+
+log = logging.getLogger(__name__)
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+@dataclass(frozen=True)
+class GenLimits:
+    max_batch: int = 4
+    max_input_tokens: int = 512
+    max_new_tokens: int = 512
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_input_tokens + self.max_new_tokens
+
+
+class GenerativeModel:
+    has_kv_cache = True
+
+    def __init__(
+        self,
+        name: str,
+        lm: LlamaLM,
+        tokenizer: object,
+        limits: GenLimits,
+        mode: CompilationMode,
+        monitor: CompileMonitor,
+        eos_ids: frozenset[int],
+    ) -> None:
+        self.name = name
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.mode = mode
+        self.monitor = monitor
+        self.eos_ids = eos_ids
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else min(eos_ids)
+        param = next(lm.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.batch_buckets = batch_buckets(limits.max_batch)
+        self.prefill_buckets = length_buckets(limits.max_input_tokens)
+        self._prefill = compile_fn(lm.prefill, mode)
+        self._decode = compile_fn(lm.decode, mode)
+        self.k_cache: Tensor | None = None
+        self.v_cache: Tensor | None = None
+
+    # -- cache -------------------------------------------------------------
+    @property
+    def cache_rows(self) -> int:
+        return 0 if self.k_cache is None else self.k_cache.shape[1]
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return self.cache_rows * self.limits.max_seq_len
+
+    def allocate_cache(self, tokens: int) -> int:
+        """Allocate a cache of ``tokens`` slots (whole sequences); returns rows."""
+        rows = min(tokens // self.limits.max_seq_len, self.limits.max_batch)
+        if rows < 2:
+            need = 2 * self.limits.max_seq_len
+            raise ValueError(
+                f"a KV cache of {tokens} tokens holds fewer than 2 sequences of "
+                f"{self.limits.max_seq_len} tokens; give at least {need} "
+                "(--kv-cache-tokens) or lower --max-input-tokens/--max-new-tokens"
+            )
+        s = self.lm.shape
+        dims = (s.num_layers, rows, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
+        self.k_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
+        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[3])
+        return rows
+
+    def kv_bytes_per_token(self) -> int:
+        return self.lm.shape.kv_bytes_per_token(self.dtype)
+
+    def usable_batch_buckets(self) -> tuple[int, ...]:
+        return tuple(b for b in self.batch_buckets if b <= max(self.cache_rows, 2))
+
+    # -- text --------------------------------------------------------------
+    def encode(self, prompt: str, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.tokenizer
+        if messages:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(i) for i in ids]
+        return [int(i) for i in tok(prompt)["input_ids"]]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    # -- forward passes ----------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, path: str) -> Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
+        with self.monitor.context(self.name, f"prefill/{path}", shapes):
+            return self._prefill(ids, positions, valid, self.k_cache, self.v_cache)
+
+    @torch.inference_mode()
+    def decode(
+        self, ids: Tensor, positions: Tensor, slot: Tensor, valid: Tensor, path: str
+    ) -> Tensor:
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        shapes = f"batch={ids.shape[0]} slot={int(slot[0])}"
+        with self.monitor.context(self.name, f"decode/{path}", shapes):
+            return self._decode(ids, positions, slot, valid, self.k_cache, self.v_cache)
+
+    def dummy_prefill(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
+        """A prefill of random tokens at this padded shape (warmup, profiling)."""
+        ids = torch.randint(0, self.lm.shape.vocab_size, (batch, length), generator=gen)
+        valid = torch.ones(batch, length, dtype=torch.bool)
+        valid[0, : length // 2] = False  # a left-padded row, as real batches have
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        d = self.device
+        return self.prefill(ids.to(d), positions.to(d), valid.to(d), "warmup")
+
+    def dummy_decode(self, batch: int, gen: torch.Generator) -> Tensor:
+        slots = self.limits.max_seq_len
+        ids = torch.randint(0, self.lm.shape.vocab_size, (batch, 1), generator=gen)
+        slot = torch.tensor([slots // 2], dtype=torch.long)
+        valid = torch.zeros(batch, slots, dtype=torch.bool)
+        valid[:, : slots // 2 + 1] = True
+        positions = torch.full((batch, 1), slots // 2, dtype=torch.long)
+        d = self.device
+        return self.decode(ids.to(d), positions.to(d), slot.to(d), valid.to(d), "warmup")
+
+
+def load_generative(
+    name: str,
+    directory: Path,
+    limits: GenLimits,
+    mode: CompilationMode,
+    monitor: CompileMonitor,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> GenerativeModel:
+    hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
+    config = hf.config
+    if config.model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported for Generate "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    shape = LlamaShape.from_hf(config)
+    if limits.max_seq_len > shape.max_positions:
+        raise ValueError(
+            f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "
+            f"{shape.max_positions} positions"
+        )
+    lm = LlamaLM(shape)
+    state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
+    if shape.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (shape.tie_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    lm.tie_weights()
+    del hf
+    lm = lm.to(device=device, dtype=dtype).eval()
+    eos = {tokenizer.eos_token_id}
+    gen_eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)
+    if gen_eos is not None:
+        eos.update(config.eos_token_id)
+    elif config.eos_token_id is not None:
+        eos.add(config.eos_token_id)
+    eos.discard(None)
+    return GenerativeModel(name, lm, tokenizer, limits, mode, monitor, frozenset(eos))

@@ -1,0 +1,219 @@
+"""A Llama-family causal LM with a static KV cache, written for torch.compile.
+
+The forward passes are pure functions of tensors: the KV cache is a pair of
+preallocated tensors passed in and written in place, the write position is a
+tensor, and no Python state changes between calls. So a compiled decode step is
+one graph for every sequence length (no guard on mutable cache state to
+recompile it), and a compiled prefill is one graph for every padded shape.
+
+Weights use the Hugging Face parameter names (``model.layers.N.self_attn...``),
+so a ``LlamaForCausalLM`` state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    tie_embeddings: bool
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, config: object) -> LlamaShape:
+        """Read a transformers LlamaConfig (any config with the same fields)."""
+        c = config
+        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default')")
+        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        heads = c.num_attention_heads
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            rms_eps=c.rms_norm_eps,
+            rope_theta=float(theta),
+            tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            max_positions=c.max_position_embeddings,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.s = s
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        b, n, _ = x.shape
+        s = self.s
+        q = self.q_proj(x).view(b, n, s.num_heads, s.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        b, _, n, _ = q.shape
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
+        self.self_attn = Attention(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
+        self.mlp = MLP(s)
+
+
+class Backbone(nn.Module):
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
+        self.norm = RMSNorm(s.hidden_size, s.rms_eps)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class LlamaLM(nn.Module):
+    """The model. ``prefill`` and ``decode`` are the two graphs that get compiled."""
+
+    def __init__(self, s: LlamaShape) -> None:
+        super().__init__()
+        self.shape = s
+        self.model = Backbone(s)
+        self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2).float() / s.head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def tie_weights(self) -> None:
+        if self.shape.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, N, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _mlp_block(self, layer: DecoderLayer, h: Tensor, attn: Tensor) -> Tensor:
+        h = h + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _logits(self, h: Tensor) -> Tensor:
+        return self.lm_head(self.model.norm(h)).float()
+
+    def prefill(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        valid: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        """Run left-padded prompts [B, P]; fill cache slots [0, P); logits of the last slot.
+
+        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` are
+        [layers, rows, kv_heads, slots, head_dim]; rows [0, B) are used.
+        """
+        b, n = input_ids.shape
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self._cos_sin(positions, h.dtype)
+        causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=h.device)
+        # Pad rows attend to themselves only, so no row of the mask is empty.
+        mask = (causal & valid[:, None, None, :]) | eye
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            k_cache[i, :b, :, :n] = k
+            v_cache[i, :b, :, :n] = v
+            h = self._mlp_block(layer, h, attn.attend(q, k, v, mask))
+        return self._logits(h[:, -1])
+
+    def decode(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        slot: Tensor,
+        valid: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        """One token per row [B, 1] written at cache ``slot`` (a 1-element long tensor).
+
+        ``valid`` [B, slots] marks the cache slots each row may attend to
+        (its real prompt tokens and everything generated, this slot included).
+        """
+        b = input_ids.shape[0]
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self._cos_sin(positions, h.dtype)
+        mask = valid[:, None, None, :]
+        for i, layer in enumerate(self.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            keys = k_cache[i, :b]
+            values = v_cache[i, :b]
+            keys.index_copy_(2, slot, k)
+            values.index_copy_(2, slot, v)
+            h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
+        return self._logits(h[:, -1])
