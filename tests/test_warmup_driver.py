@@ -1,8 +1,7 @@
-"""The warmup driver's retry, backoff, failure and watch behaviour.
+"""The warmup driver's retry, backoff, failure and watch behaviour, and scripts/run.sh.
 
-A small grpc.aio WarmupAdmin server on port 0 stands in for the service: it records every
-call and injects failures (a test double; the end-to-end tests run the real service).
-It enforces MarkServing's precondition the way DESIGN.md says the service does.
+A small grpc.aio WarmupAdmin server on port 0 (tests/warmup_fakes.py) stands in for the
+service: it records every call and injects failures. The end-to-end tests run the real one.
 """
 
 from __future__ import annotations
@@ -15,124 +14,20 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from warmup_fakes import EXPECTED, MINILM, SEED, FakeAdmin, start
 
-from inference_svc._pb.inference.v1 import admin_pb2, admin_pb2_grpc
+from inference_svc._pb.inference.v1 import admin_pb2
 from warmup_ctl import convert, driver, plan
 from warmup_ctl.config import Config, parse_args
 from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, ModelProfile, StepKind
 
 pytestmark = pytest.mark.timeout(60)
-
-MINILM = ModelProfile(
-    "minilm", ModelKind.EMBEDDING, False, False, CompilationMode.DEFAULT,
-    buckets=(("embed", 2, 16), ("embed", 8, 64)),
-)  # fmt: skip
-SMOLLM = ModelProfile(
-    "smollm2", ModelKind.GENERATIVE, True, False, CompilationMode.DEFAULT, LogprobsMode.RAW,
-    buckets=(("prefill", 2, 16), ("decode", 2, 1)),
-)  # fmt: skip
-PROFILES = (MINILM, SMOLLM)
-# Warmup steps plan() gives PROFILES, in order.
-EXPECTED = [
-    ("COMPILE", "minilm"),
-    ("PROFILE", "smollm2"),
-    ("COMPILE", "smollm2"),
-    ("SAMPLER", "smollm2"),
-]
-SEED = 4242
-
-
-class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
-    """Records calls; fails steps on demand; refuses MarkServing like the real service."""
-
-    def __init__(self, profiles: tuple[ModelProfile, ...] = PROFILES) -> None:
-        self.boot_id = uuid.uuid4().hex[:8]
-        self.profiles = profiles
-        self.required = [s for s in plan.plan(profiles).steps]
-        self.calls: list[tuple[str, ...]] = []
-        self.loading_polls = 0  # Describe answers models_loaded=false this many times
-        self.failures: dict[tuple[str, str], int] = {}  # (step, model) -> failures left; -1 always
-        self.fail_code = grpc.StatusCode.INTERNAL
-        self.step_delay = 0.0
-        self.done: set[tuple[str, str]] = set()
-        self.reseeded = False
-        self.serving = False
-        self.health = health.aio.HealthServicer()
-        self.describe_hook: Callable[[admin_pb2.DescribeResponse], None] = lambda resp: None
-
-    def warmups(self) -> list[tuple[str, str]]:
-        return [(c[1], c[2]) for c in self.calls if c[0] == "Warmup"]
-
-    def names(self) -> list[str]:
-        return [c[0] for c in self.calls if c[0] != "Describe"]
-
-    async def Describe(self, request, context):
-        self.calls.append(("Describe",))
-        loaded = self.loading_polls <= 0
-        self.loading_polls -= 1
-        required = [
-            convert.step_to_pb(s, done=(s.kind.name, s.model) in self.done) for s in self.required
-        ]
-        resp = admin_pb2.DescribeResponse(
-            boot_id=self.boot_id,
-            models=[convert.profile_to_pb(p) for p in self.profiles] if loaded else [],
-            required_steps=required if loaded else [],
-            seed=SEED,
-            serving=self.serving,
-            models_loaded=loaded,
-        )
-        self.describe_hook(resp)
-        return resp
-
-    async def Warmup(self, request, context):
-        key = (admin_pb2.WarmupStepKind.Name(request.step).split("_KIND_")[1], request.model)
-        self.calls.append(("Warmup", *key))
-        await asyncio.sleep(self.step_delay)
-        left = self.failures.get(key, 0)
-        if left:
-            self.failures[key] = left - 1 if left > 0 else left
-            await context.abort(self.fail_code, f"injected failure of {key[0]} {key[1]}")
-        self.done.add(key)
-        self.reseeded = False
-        return admin_pb2.WarmupResponse(
-            model=request.model, step=request.step, seconds=0.01, compile_events=1,
-            sampler_paths=request.sampler_paths, detail="fake",
-        )  # fmt: skip
-
-    async def Reseed(self, request, context):
-        self.calls.append(("Reseed", str(request.seed)))
-        self.reseeded = True
-        return admin_pb2.ReseedResponse(seed=request.seed)
-
-    async def MarkServing(self, request, context):
-        self.calls.append(("MarkServing",))
-        missing = [
-            f"{s.kind.name} {s.model}"
-            for s in self.required
-            if s.kind in convert.WARMUP_RPC_STEPS and (s.kind.name, s.model) not in self.done
-        ]
-        if missing or not self.reseeded:
-            why = f"missing steps {missing}" if missing else "no Reseed after the last Warmup"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        self.serving = True
-        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        return admin_pb2.MarkServingResponse(serving=True, boot_id=self.boot_id)
-
-
-async def start(fake: FakeAdmin, port: int = 0) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server()
-    admin_pb2_grpc.add_WarmupAdminServicer_to_server(fake, server)
-    health_pb2_grpc.add_HealthServicer_to_server(fake.health, server)
-    await fake.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, port
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:
@@ -394,3 +289,38 @@ def test_sigterm_stops_the_sidecar_cleanly() -> None:
         proc.kill()
     assert proc.returncode == 0, err
     assert "stopped by SIGTERM" in err
+
+
+def test_run_script_starts_both_reports_serving_and_stops_both(tmp_path: Path) -> None:
+    """scripts/run.sh with the fake service: plan and progress shown, banner, clean Ctrl-C."""
+    fake = f"{sys.executable} {ROOT / 'tests' / 'warmup_fakes.py'}"
+    ctl = f"{sys.executable} -m warmup_ctl"
+    env = {**os.environ, "RUN_SKIP_SETUP": "1", "RUN_SVC": fake, "RUN_CTL": ctl,
+           "WARMUP_CTL_ARGS": "--backoff-initial 0.05 --backoff-max 0.2"}  # fmt: skip
+    proc = subprocess.Popen(
+        ["bash", str(ROOT / "scripts" / "run.sh"), "--compilation-mode", "default"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        while not any("=== SERVING on 127.0.0.1:" in x for x in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            lines.append(proc.stdout.readline())
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the script
+        lines += proc.stdout.readlines()  # up to EOF: every writer is gone
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines)
+    assert proc.returncode == 130, text
+    assert "warmup | " in text and "warmup plan for boot" in text
+    assert "step 1/6: COMPILE minilm" in text and "svc    | fake service listening" in text
+    assert "inference-cli embed --addr 127.0.0.1:" in text
+    assert "svc    | fake service stopping" in text
+    # No orphans: nothing is left in the script's process group.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
