@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -28,6 +28,7 @@ from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, ModelProfi
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
+Fake = tuple[FakeAdmin, int]  # the fixture: a started double and its port
 
 
 def free_port() -> int:
@@ -46,7 +47,7 @@ def config(port: int, **kw: object) -> Config:
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[tuple[FakeAdmin, int]]:
+async def fake() -> AsyncIterator[Fake]:
     f = FakeAdmin()
     server, port = await start(f)
     yield f, port
@@ -58,7 +59,9 @@ def _logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="warmup_ctl")
 
 
-async def test_warms_every_step_then_reseeds_then_marks(fake, caplog) -> None:
+async def test_warms_every_step_then_reseeds_then_marks(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     assert await driver.run(config(port)) == 0
     assert f.warmups() == EXPECTED
@@ -71,7 +74,7 @@ async def test_warms_every_step_then_reseeds_then_marks(fake, caplog) -> None:
     assert "SERVING: boot" in log and "public health SERVING" in log
 
 
-async def test_waits_for_the_admin_port_with_backoff(caplog) -> None:
+async def test_waits_for_the_admin_port_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
     port = free_port()
     task = asyncio.create_task(driver.run(config(port)))
     await asyncio.sleep(0.4)
@@ -88,7 +91,9 @@ async def test_waits_for_the_admin_port_with_backoff(caplog) -> None:
     assert "UNAVAILABLE" in retries[0].getMessage()
 
 
-async def test_retries_describe_while_models_load(fake, caplog) -> None:
+async def test_retries_describe_while_models_load(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     f.loading_polls = 3
     assert await driver.run(config(port)) == 0
@@ -96,14 +101,16 @@ async def test_retries_describe_while_models_load(fake, caplog) -> None:
     assert "models still loading" in caplog.text
 
 
-async def test_gives_up_when_the_service_never_answers(caplog) -> None:
+async def test_gives_up_when_the_service_never_answers(caplog: pytest.LogCaptureFixture) -> None:
     cfg = config(free_port(), connect_timeout=0.3)
     assert await asyncio.wait_for(driver.run(cfg), 10) == 1
     assert "was not ready within 0.3 s" in caplog.text
     assert "giving up (--once)" in caplog.text
 
 
-async def test_a_step_failing_then_succeeding_is_retried(fake, caplog) -> None:
+async def test_a_step_failing_then_succeeding_is_retried(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     f.failures[("COMPILE", "smollm2")] = 2
     assert await driver.run(config(port, retries=2)) == 0
@@ -113,7 +120,9 @@ async def test_a_step_failing_then_succeeding_is_retried(fake, caplog) -> None:
     assert "retry 2/2" in caplog.text
 
 
-async def test_a_step_that_keeps_failing_leaves_the_service_not_serving(fake, caplog) -> None:
+async def test_a_step_that_keeps_failing_leaves_the_service_not_serving(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     f.failures[("SAMPLER", "smollm2")] = -1
     assert await driver.run(config(port, retries=2)) == 1
@@ -127,7 +136,7 @@ async def test_a_step_that_keeps_failing_leaves_the_service_not_serving(fake, ca
     assert "injected failure" in msg and "NOT_SERVING" in msg
 
 
-async def test_invalid_argument_is_not_retried(fake) -> None:
+async def test_invalid_argument_is_not_retried(fake: Fake) -> None:
     f, port = fake
     f.failures[("COMPILE", "minilm")] = -1
     f.fail_code = grpc.StatusCode.INVALID_ARGUMENT
@@ -135,7 +144,7 @@ async def test_invalid_argument_is_not_retried(fake) -> None:
     assert f.warmups() == [("COMPILE", "minilm")]
 
 
-async def test_step_deadline(fake, caplog) -> None:
+async def test_step_deadline(fake: Fake, caplog: pytest.LogCaptureFixture) -> None:
     f, port = fake
     f.step_delay = 0.3
     assert await driver.run(config(port, step_timeout=0.1, retries=1)) == 1
@@ -143,7 +152,9 @@ async def test_step_deadline(fake, caplog) -> None:
     assert "DEADLINE_EXCEEDED" in caplog.text and "--step-timeout" in caplog.text
 
 
-async def test_runs_the_union_with_the_services_required_steps(fake, caplog) -> None:
+async def test_runs_the_union_with_the_services_required_steps(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     extra = plan.Step(StepKind.PROFILE, "minilm", reason="the service wants it")
     f.required.insert(0, extra)
@@ -152,7 +163,9 @@ async def test_runs_the_union_with_the_services_required_steps(fake, caplog) -> 
     assert "the service requires PROFILE minilm, the local plan does not" in caplog.text
 
 
-async def test_steps_already_done_are_not_rerun(fake, caplog) -> None:
+async def test_steps_already_done_are_not_rerun(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
     f.done.add(("COMPILE", "minilm"))
     assert await driver.run(config(port)) == 0
@@ -160,7 +173,7 @@ async def test_steps_already_done_are_not_rerun(fake, caplog) -> None:
     assert "step 1/6: COMPILE minilm already done in this process" in caplog.text
 
 
-async def test_already_serving_needs_nothing(fake, caplog) -> None:
+async def test_already_serving_needs_nothing(fake: Fake, caplog: pytest.LogCaptureFixture) -> None:
     f, port = fake
     f.serving = True
     assert await driver.run(config(port)) == 0
@@ -168,7 +181,9 @@ async def test_already_serving_needs_nothing(fake, caplog) -> None:
     assert "already SERVING" in caplog.text
 
 
-async def test_a_profile_it_cannot_read_fails_with_the_reason(fake, caplog) -> None:
+async def test_a_profile_it_cannot_read_fails_with_the_reason(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
     f, port = fake
 
     def unknown_mode(resp: admin_pb2.DescribeResponse) -> None:
@@ -180,7 +195,7 @@ async def test_a_profile_it_cannot_read_fails_with_the_reason(fake, caplog) -> N
     assert f.names() == []
 
 
-async def test_watch_warms_a_restarted_service_again(caplog) -> None:
+async def test_watch_warms_a_restarted_service_again(caplog: pytest.LogCaptureFixture) -> None:
     first = FakeAdmin()
     server, port = await start(first)
     task = asyncio.create_task(driver.run(config(port, once=False)))
@@ -203,7 +218,9 @@ async def test_watch_warms_a_restarted_service_again(caplog) -> None:
         await task
 
 
-async def test_watch_mode_keeps_a_failed_boot_not_serving_until_it_restarts(caplog) -> None:
+async def test_watch_mode_keeps_a_failed_boot_not_serving_until_it_restarts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     f = FakeAdmin()
     f.failures[("COMPILE", "minilm")] = -1
     server, port = await start(f)
@@ -220,7 +237,7 @@ async def test_watch_mode_keeps_a_failed_boot_not_serving_until_it_restarts(capl
         await server.stop(None)
 
 
-async def wait_until(cond, timeout: float = 10.0) -> None:
+async def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
     async with asyncio.timeout(timeout):
         while not cond():
             await asyncio.sleep(0.02)

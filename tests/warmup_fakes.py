@@ -65,7 +65,9 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
     def names(self) -> list[str]:
         return [c[0] for c in self.calls if c[0] != "Describe"]
 
-    async def Describe(self, request, context):
+    async def Describe(
+        self, request: admin_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.DescribeResponse:
         self.calls.append(("Describe",))
         loaded = self.loading_polls <= 0
         self.loading_polls -= 1
@@ -83,7 +85,9 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
         self.describe_hook(resp)
         return resp
 
-    async def Warmup(self, request, context):
+    async def Warmup(
+        self, request: admin_pb2.WarmupRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.WarmupResponse:
         key = (admin_pb2.WarmupStepKind.Name(request.step).split("_KIND_")[1], request.model)
         self.calls.append(("Warmup", *key))
         await asyncio.sleep(self.step_delay)
@@ -98,12 +102,16 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
             sampler_paths=request.sampler_paths, detail="fake",
         )  # fmt: skip
 
-    async def Reseed(self, request, context):
+    async def Reseed(
+        self, request: admin_pb2.ReseedRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ReseedResponse:
         self.calls.append(("Reseed", str(request.seed)))
         self.reseeded = True
         return admin_pb2.ReseedResponse(seed=request.seed)
 
-    async def MarkServing(self, request, context):
+    async def MarkServing(
+        self, request: admin_pb2.MarkServingRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.MarkServingResponse:
         self.calls.append(("MarkServing",))
         missing = [
             f"{s.kind.name} {s.model}"

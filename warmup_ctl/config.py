@@ -63,19 +63,65 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         prog="warmup-ctl",
         description="Plans and drives the warmup of inference-svc, reseeds it, marks it "
         "SERVING, then watches for a restart and does it again.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--admin", default=environ.get(ENV_ADMIN, d.admin), help=f"env {ENV_ADMIN}")
-    p.add_argument("--public", default=environ.get(ENV_PUBLIC, d.public), help=f"env {ENV_PUBLIC}")
-    p.add_argument("--once", action="store_true", help="warm once and exit (0 SERVING, 1 failed)")
-    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, metavar="S")
-    p.add_argument("--step-timeout", type=float, default=d.step_timeout, metavar="S")
-    p.add_argument("--retries", type=int, default=d.retries, help="retries of a failed step")
-    p.add_argument("--poll-interval", type=float, default=d.poll_interval, metavar="S")
-    p.add_argument("--backoff-initial", type=float, default=d.backoff_initial, metavar="S")
-    p.add_argument("--backoff-max", type=float, default=d.backoff_max, metavar="S")
-    p.add_argument("--rpc-timeout", type=float, default=d.rpc_timeout, metavar="S")
-    p.add_argument("--log-level", default=d.log_level, choices=LOG_LEVELS)
-    return p
+    add = p.add_argument
+    add(
+        "--admin",
+        default=environ.get(ENV_ADMIN, d.admin),
+        help=f"WarmupAdmin address, host:port (env {ENV_ADMIN})",
+    )
+    add(
+        "--public",
+        default=environ.get(ENV_PUBLIC, d.public),
+        help=f"public address, for the health check and the hint (env {ENV_PUBLIC})",
+    )
+    add("--once", action="store_true", help="warm once and exit: 0 SERVING, 1 failed")
+    add(
+        "--connect-timeout",
+        type=float,
+        default=d.connect_timeout,
+        metavar="S",
+        help="seconds to wait for the admin port and the models to load",
+    )
+    add(
+        "--step-timeout",
+        type=float,
+        default=d.step_timeout,
+        metavar="S",
+        help="deadline of one warmup step (a cold compile takes minutes per graph)",
+    )
+    add("--retries", type=int, default=d.retries, help="retries of a failed step")
+    add(
+        "--poll-interval",
+        type=float,
+        default=d.poll_interval,
+        metavar="S",
+        help="seconds between Describe polls while watching for a restart",
+    )
+    add(
+        "--backoff-initial",
+        type=float,
+        default=d.backoff_initial,
+        metavar="S",
+        help="first wait between retries (doubles each retry)",
+    )
+    add(
+        "--backoff-max",
+        type=float,
+        default=d.backoff_max,
+        metavar="S",
+        help="longest wait between retries",
+    )
+    add(
+        "--rpc-timeout",
+        type=float,
+        default=d.rpc_timeout,
+        metavar="S",
+        help="deadline of Describe, Reseed, MarkServing and the health check",
+    )
+    add("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    return p  # fmt: skip
 
 
 def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config:

@@ -55,7 +55,7 @@ def merge(
         if s.kind in convert.WARMUP_RPC_STEPS:
             theirs[(s.kind, s.model)] = (s, pb.done)
     todo: list[Todo] = []
-    for key in ours.keys() | theirs.keys():
+    for key in [*ours, *(k for k in theirs if k not in ours)]:
         mine, (svc, done) = ours.get(key), theirs.get(key, (None, False))
         label = f"{key[0].name} {key[1]}"
         if mine is None:
@@ -111,8 +111,7 @@ async def _warm_boot(cfg: Config, client: AdminClient, desc: admin_pb2.DescribeR
     marked = await client.mark_serving()
     if marked.boot_id and marked.boot_id != desc.boot_id:
         raise WarmupFailed(
-            f"the service restarted during warmup ({desc.boot_id} -> "
-            f"{marked.boot_id}); warming the new process"
+            f"the service restarted during warmup (boot {desc.boot_id} -> {marked.boot_id})"
         )
     if not marked.serving:
         raise WarmupFailed("MarkServing answered serving=false")
