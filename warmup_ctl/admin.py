@@ -72,7 +72,10 @@ def _log_retry(what: str, limit: str) -> Callable[[RetryCallState], None]:
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         wait = state.next_action.sleep if state.next_action else 0.0
-        log.warning(
+        # Models loading is expected at start; anything else is worth a warning.
+        level = logging.INFO if isinstance(exc, ModelsLoading) else logging.WARNING
+        log.log(
+            level,
             "%s: %s; retry %d%s in %.1f s",
             what,
             rpc_error(exc) if exc else "no answer",

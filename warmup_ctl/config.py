@@ -37,7 +37,7 @@ class Config:
     poll_interval: float = 2.0
     # Exponential backoff between retries: first wait, and the cap.
     backoff_initial: float = 0.5
-    backoff_max: float = 15.0
+    backoff_max: float = 5.0
     # Deadline of Describe, Reseed, MarkServing and the health check.
     rpc_timeout: float = 10.0
     log_level: str = "info"
