@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny model directories and real services on port 0."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from inference_svc.app import Service
+from inference_svc.config import parse_config
+from tests.models import build_tiny_embedder, build_tiny_lm
+from tests.rpc import Clients
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_lm(tmp_path_factory.mktemp("tiny-lm"))
+
+
+@pytest.fixture(scope="session")
+def tiny_embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_embedder(tmp_path_factory.mktemp("tiny-embed"))
+
+
+def tiny_args(tiny_embed_dir: Path, tiny_lm_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--port", "0", "--admin-port", "0",
+        "--embed-model", str(tiny_embed_dir), "--lm-model", str(tiny_lm_dir),
+        "--max-input-tokens", "32", "--max-new-tokens", "16", "--embed-max-batch", "4",
+        *extra,
+    ]
+
+
+async def start_service(args: list[str]) -> tuple[Service, Clients]:
+    service = Service(parse_config(args))
+    await service.start()
+    return service, Clients.connect(service.port, service.admin_port)
+
+
+@pytest_asyncio.fixture(scope="session")
+async def real() -> AsyncIterator[Clients]:
+    """The packaged real models, eager (mode NONE), warmed and SERVING."""
+    service, clients = await start_service(["--port", "0", "--admin-port", "0", "--seed", "7"])
+    await service.loaded()
+    await clients.warm_and_serve()
+    yield clients
+    await clients.close()
+    await service.stop(0)

@@ -1,0 +1,57 @@
+"""Clients of a running service, and the warmup a sidecar would run (for in-process tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_svc._pb.inference.v1 import admin_pb2 as apb
+from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+
+WARMUP_KINDS = (apb.WARMUP_STEP_KIND_PROFILE, apb.WARMUP_STEP_KIND_COMPILE, apb.WARMUP_STEP_KIND_SAMPLER)
+
+
+@dataclass
+class Clients:
+    channel: grpc.aio.Channel
+    admin_channel: grpc.aio.Channel
+    inference: inference_pb2_grpc.InferenceStub
+    admin: admin_pb2_grpc.WarmupAdminStub
+    health: health_pb2_grpc.HealthStub
+
+    @classmethod
+    def connect(cls, port: int, admin_port: int) -> Clients:
+        ch = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        ach = grpc.aio.insecure_channel(f"127.0.0.1:{admin_port}")
+        return cls(
+            ch,
+            ach,
+            inference_pb2_grpc.InferenceStub(ch),
+            admin_pb2_grpc.WarmupAdminStub(ach),
+            health_pb2_grpc.HealthStub(ch),
+        )
+
+    async def status(self, name: str) -> int:
+        reply = await self.health.Check(health_pb2.HealthCheckRequest(service=name))
+        return reply.status
+
+    async def run_required_steps(self) -> list[apb.WarmupResponse]:
+        described = await self.admin.Describe(apb.DescribeRequest())
+        reports = []
+        for step in described.required_steps:
+            if step.step in WARMUP_KINDS:
+                req = apb.WarmupRequest(model=step.model, step=step.step)
+                reports.append(await self.admin.Warmup(req))
+        return reports
+
+    async def warm_and_serve(self) -> list[apb.WarmupResponse]:
+        reports = await self.run_required_steps()
+        await self.admin.Reseed(apb.ReseedRequest())
+        await self.admin.MarkServing(apb.MarkServingRequest())
+        return reports
+
+    async def close(self) -> None:
+        await self.channel.close()
+        await self.admin_channel.close()
