@@ -19,9 +19,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from warmup_fakes import EXPECTED, MINILM, SEED, FakeAdmin, start
 
 from inference_svc._pb.inference.v1 import admin_pb2
+from tests.warmup_fakes import EXPECTED, MINILM, SEED, FakeAdmin, start
 from warmup_ctl import convert, driver, plan
 from warmup_ctl.config import Config, parse_args
 from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, ModelProfile, StepKind
