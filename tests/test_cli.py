@@ -328,3 +328,10 @@ async def test_info(served: Served, capsys) -> None:
     assert "COMPILATION_MODE_DEFAULT" in out and "fake-lm: generative" in out
     assert await run_cli(["info", "--addr", served.addr, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["boot_id"] == "b00t"
+
+
+async def test_cli_does_not_import_torch() -> None:
+    """The healthcheck runs every few seconds: it must stay a light process."""
+    code = "import sys, inference_svc.cli; sys.exit('torch' in sys.modules)"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
+    assert await asyncio.wait_for(proc.wait(), timeout=60) == 0

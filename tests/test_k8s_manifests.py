@@ -1,0 +1,162 @@
+"""deploy/k8s/: every manifest validates offline against the Kubernetes schemas, and
+the probes, ports and volumes agree with what the service and the image use."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from inference_svc import names
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+# Native sidecars (init containers with restartPolicy: Always) are on by default
+# from 1.29 and GA in 1.33; validate against both and the newest schema bundled.
+K8S_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.latest_version())
+NOT_KUBERNETES = {"kustomization.yaml"}  # kustomize's own file, not an API object
+
+
+def manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.glob("*.yaml") if p.name not in NOT_KUBERNETES)
+
+
+def load_all() -> list[dict[str, Any]]:
+    docs = []
+    for path in manifest_files():
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def one(kind: str) -> dict[str, Any]:
+    found = [d for d in load_all() if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def pod_spec() -> dict[str, Any]:
+    return one("Deployment")["spec"]["template"]["spec"]
+
+
+def container(name: str) -> dict[str, Any]:
+    spec = pod_spec()
+    for c in spec.get("containers", []) + spec.get("initContainers", []):
+        if c["name"] == name:
+            return c
+    raise AssertionError(f"no container {name!r}")
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value of --name=V or --name V in a command line."""
+    for i, arg in enumerate(args):
+        if arg == name:
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{name} not in {args}")
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
+def test_manifest_validates_offline(path: Path, version: str) -> None:
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d]
+    assert docs, f"{path} is empty"
+    for doc in docs:
+        # strict: unknown fields (typos) fail too. Raises ValidationError on failure.
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_validator_rejects_a_broken_manifest() -> None:
+    """The check above is not vacuous: a misspelt probe field fails it."""
+    doc = one("Deployment")
+    doc["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["servce"] = "x"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == [p.name for p in manifest_files()]
+
+
+def test_probes_ask_the_names_the_service_registers() -> None:
+    svc = container("inference")
+    for probe in ("startupProbe", "readinessProbe"):
+        assert svc[probe]["grpc"] == {"port": names.DEFAULT_PORT, "service": names.HEALTH_INFERENCE}
+    assert svc["livenessProbe"]["grpc"] == {
+        "port": names.DEFAULT_PORT,
+        "service": names.HEALTH_LIVENESS,
+    }
+    assert names.HEALTH_INFERENCE in names.GATED_HEALTH_NAMES
+    assert names.HEALTH_LIVENESS not in names.GATED_HEALTH_NAMES
+    # A cold compile must fit in the startup probe's budget (minutes per graph on 2 cores).
+    startup = svc["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+
+
+def test_warmup_ctl_is_a_native_sidecar_on_the_admin_port() -> None:
+    spec = pod_spec()
+    sidecar = container("warmup-ctl")
+    assert sidecar in spec["initContainers"]
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["command"][0] == "warmup-ctl"
+    svc_args = container("inference")["command"]
+    assert svc_args[0] == "inference-svc"
+    admin = f"{flag(svc_args, '--admin-host')}:{flag(svc_args, '--admin-port')}"
+    assert admin == f"{names.DEFAULT_ADMIN_HOST}:{names.DEFAULT_ADMIN_PORT}"
+    assert flag(sidecar["command"], "--admin") == admin
+    assert flag(sidecar["command"], "--public") == f"127.0.0.1:{names.DEFAULT_PORT}"
+    assert int(flag(svc_args, "--port")) == names.DEFAULT_PORT
+
+
+def test_admin_port_is_not_exposed() -> None:
+    for c in pod_spec()["containers"] + pod_spec()["initContainers"]:
+        ports = {p["containerPort"] for p in c.get("ports", [])}
+        assert names.DEFAULT_ADMIN_PORT not in ports
+    assert container("inference")["ports"] == [
+        {"name": "grpc", "containerPort": names.DEFAULT_PORT, "protocol": "TCP"}
+    ]
+    service_ports = one("Service")["spec"]["ports"]
+    assert [p["port"] for p in service_ports] == [names.DEFAULT_PORT]
+
+
+def test_every_container_has_resource_requests() -> None:
+    spec = pod_spec()
+    for c in spec["containers"] + spec["initContainers"]:
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
+
+
+def test_compile_cache_is_a_volume_where_the_image_puts_it() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    cache_dir = re.search(r"TORCHINDUCTOR_CACHE_DIR=(\S+)", dockerfile)
+    assert cache_dir, "the Dockerfile sets TORCHINDUCTOR_CACHE_DIR"
+    mounts = {m["mountPath"]: m["name"] for m in container("inference")["volumeMounts"]}
+    covering = [p for p in mounts if cache_dir.group(1).startswith(p.rstrip("/") + "/")]
+    assert covering, f"{cache_dir.group(1)} is not on a volume: {mounts}"
+    volumes = {v["name"] for v in pod_spec()["volumes"]}
+    assert mounts[covering[0]] in volumes
+
+
+def test_pod_runs_as_the_image_user_and_non_root() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    user = re.search(r"^USER (\d+):(\d+)$", dockerfile, re.MULTILINE)
+    assert user, "the Dockerfile's USER is numeric (runAsNonRoot can check it)"
+    security = pod_spec()["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert (str(security["runAsUser"]), str(security["runAsGroup"])) == user.groups()
+
+
+def test_service_and_pdb_select_the_pods() -> None:
+    labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    for selector in (
+        one("Service")["spec"]["selector"],
+        one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+        one("Deployment")["spec"]["selector"]["matchLabels"],
+    ):
+        assert selector.items() <= labels.items()
+    target = one("Service")["spec"]["ports"][0]["targetPort"]
+    assert target in {p["name"] for p in container("inference")["ports"]}
