@@ -1,5 +1,9 @@
 """One thread per model: all of a model's work (requests and warmup) runs there.
 
+Everything on that thread runs under ``torch.inference_mode()``, requests and
+warmup alike, so the tensors a warmup step compiles with are of the same kind
+(inference tensors) as a request's: a compiled graph guards on that.
+
 Model work never runs on the event loop, so health checks answer while a
 forward pass runs; and requests and warmup steps of one model never overlap.
 """
@@ -12,6 +16,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from inference_svc.errors import ResourceExhausted
 
@@ -103,7 +109,8 @@ class ModelWorker(Generic[J]):
 
     def _run_jobs(self, jobs: list[J]) -> None:
         try:
-            self.run_batch(jobs)
+            with torch.inference_mode():
+                self.run_batch(jobs)
         except Exception as exc:  # a real fault: every job of the batch gets it
             log.exception("model %s: batch of %d failed", self.name, len(jobs))
             for job in jobs:
@@ -114,7 +121,8 @@ class ModelWorker(Generic[J]):
         if not call.future.set_running_or_notify_cancel():
             return
         try:
-            call.future.set_result(call.fn())
+            with torch.inference_mode():
+                call.future.set_result(call.fn())
         except BaseException as exc:
             call.future.set_exception(exc)
 

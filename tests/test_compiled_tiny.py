@@ -1,0 +1,118 @@
+"""Compiled mode on tiny models: warmup covers every path, so requests after SERVING
+cause zero compile events; compiled results equal eager ones; seeds survive restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from inference_svc._pb.inference.v1 import admin_pb2 as apb
+from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from tests.conftest import start_service, tiny_args
+
+TEXTS = ["a b c", "hello there, how are you today?", "x" * 40]
+
+
+def requests_over_buckets() -> list[pb.GenerateRequest]:
+    """Greedy, random, seeded and logprobs requests over several prompt lengths."""
+    out = []
+    for i, words in enumerate((1, 5, 12, 20)):
+        prompt = " ".join(["word"] * words)
+        sampling = [
+            pb.SamplingParams(max_tokens=6),
+            pb.SamplingParams(temperature=0.7, top_k=20, max_tokens=6),
+            pb.SamplingParams(temperature=1.0, top_p=0.8, seed=5 + i, max_tokens=6),
+            pb.SamplingParams(temperature=0.5, logprobs=2, max_tokens=6),
+        ][i]
+        out.append(pb.GenerateRequest(prompt=prompt, sampling=sampling))
+    return out
+
+
+async def run_workload(c) -> tuple[list[list[float]], list[list[int]]]:
+    vectors = []
+    for n in (1, 2, 3):
+        reply = await c.inference.Embed(pb.EmbedRequest(inputs=TEXTS[:n]))
+        vectors = [list(e.values) for e in reply.embeddings]
+    reqs = requests_over_buckets()
+    alone = [await c.inference.Generate(r) for r in reqs]
+    together = await asyncio.gather(*(c.inference.Generate(r) for r in reqs))
+    chunks = [x async for x in c.inference.GenerateStream(reqs[2])]
+    assert [t for x in chunks for t in x.token_ids] == list(alone[2].token_ids)
+    # Seeded (index 2) and greedy (index 0) rows do not depend on the batch.
+    for i in (0, 2):
+        assert list(together[i].token_ids) == list(alone[i].token_ids)
+    return vectors, [list(r.token_ids) for r in alone[:1] + alone[2:3]]
+
+
+@pytest.fixture(scope="module")
+async def eager_results(tiny_embed_dir, tiny_lm_dir):
+    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
+    try:
+        await service.loaded()
+        await c.warm_and_serve()
+        return await run_workload(c)
+    finally:
+        await c.close()
+        await service.stop(0)
+
+
+async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, eager_results):
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
+    service, c = await start_service(args)
+    try:
+        await service.loaded()
+        described = await c.admin.Describe(apb.DescribeRequest())
+        kinds = [(s.step, s.model) for s in described.required_steps]
+        assert (apb.WARMUP_STEP_KIND_COMPILE, "embedding") in kinds  # no KV cache: compiled anyway
+        reports = await c.warm_and_serve()
+        assert sum(r.compile_events for r in reports) > 0
+        sampler = next(r for r in reports if r.step == apb.WARMUP_STEP_KIND_SAMPLER)
+        assert apb.SAMPLER_PATH_SEEDED in sampler.sampler_paths
+        # Idempotent: a second COMPILE finds nothing left to do.
+        again = await c.admin.Warmup(
+            apb.WarmupRequest(model="generative", step=apb.WARMUP_STEP_KIND_COMPILE)
+        )
+        assert again.skipped and "already compiled" in again.skip_reason
+
+        vectors, tokens = await run_workload(c)
+        info = await c.inference.Info(pb.InfoRequest())
+        assert info.late_compile_events == 0, info
+        eager_vectors, eager_tokens = eager_results
+        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
+        assert tokens == eager_tokens
+    finally:
+        await c.close()
+        await service.stop(0)
+
+
+async def test_seeded_tokens_survive_a_restart(tiny_embed_dir, tiny_lm_dir, eager_results):
+    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
+    try:
+        await service.loaded()
+        await c.warm_and_serve()
+        req = requests_over_buckets()[2]
+        reply = await c.inference.Generate(req)
+        assert list(reply.token_ids) == eager_results[1][1]
+    finally:
+        await c.close()
+        await service.stop(0)
+
+
+async def test_a_model_kind_not_loaded_is_invalid_argument(tiny_embed_dir, tiny_lm_dir):
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir) + ["--lm-model", "none"]
+    service, c = await start_service(args)
+    try:
+        await service.loaded()
+        await c.warm_and_serve()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await c.inference.Generate(pb.GenerateRequest(prompt="hi"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "no generative model is loaded" in info.value.details()
+        reply = await c.inference.Embed(pb.EmbedRequest(inputs=["still embeds"]))
+        assert len(reply.embeddings) == 1
+    finally:
+        await c.close()
+        await service.stop(0)
