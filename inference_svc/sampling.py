@@ -80,7 +80,7 @@ def exponential_race(processed: Tensor, q: Tensor) -> Tensor:
 
 def top_logprobs(x: Tensor, chosen: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     lp = x.float().log_softmax(dim=-1)
-    top = lp.topk(MAX_LOGPROBS, dim=-1)
+    top = lp.topk(min(MAX_LOGPROBS, lp.shape[-1]), dim=-1)
     return lp.gather(1, chosen[:, None])[:, 0], top.indices, top.values
 
 

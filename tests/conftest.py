@@ -29,9 +29,20 @@ def tiny_embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def tiny_args(tiny_embed_dir: Path, tiny_lm_dir: Path, *extra: str) -> list[str]:
     return [
-        "--port", "0", "--admin-port", "0",
-        "--embed-model", str(tiny_embed_dir), "--lm-model", str(tiny_lm_dir),
-        "--max-input-tokens", "32", "--max-new-tokens", "16", "--embed-max-batch", "4",
+        "--port",
+        "0",
+        "--admin-port",
+        "0",
+        "--embed-model",
+        str(tiny_embed_dir),
+        "--lm-model",
+        str(tiny_lm_dir),
+        "--max-input-tokens",
+        "32",
+        "--max-new-tokens",
+        "16",
+        "--embed-max-batch",
+        "4",
         *extra,
     ]
 

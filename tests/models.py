@@ -9,7 +9,12 @@ from pathlib import Path
 
 import torch
 
-from inference_svc.models.loading import load_hf_causal_lm, offline, resolve_embed_dir, resolve_lm_dir
+from inference_svc.models.loading import (
+    load_hf_causal_lm,
+    offline,
+    resolve_embed_dir,
+    resolve_lm_dir,
+)
 
 
 def build_tiny_lm(directory: Path) -> Path:

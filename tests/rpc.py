@@ -10,7 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference_svc._pb.inference.v1 import admin_pb2 as apb
 from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 
-WARMUP_KINDS = (apb.WARMUP_STEP_KIND_PROFILE, apb.WARMUP_STEP_KIND_COMPILE, apb.WARMUP_STEP_KIND_SAMPLER)
+WARMUP_KINDS = (
+    apb.WARMUP_STEP_KIND_PROFILE,
+    apb.WARMUP_STEP_KIND_COMPILE,
+    apb.WARMUP_STEP_KIND_SAMPLER,
+)
 
 
 @dataclass

@@ -102,7 +102,7 @@ async def test_seeded_tokens_survive_a_restart(tiny_embed_dir, tiny_lm_dir, eage
 
 
 async def test_a_model_kind_not_loaded_is_invalid_argument(tiny_embed_dir, tiny_lm_dir):
-    args = tiny_args(tiny_embed_dir, tiny_lm_dir) + ["--lm-model", "none"]
+    args = [*tiny_args(tiny_embed_dir, tiny_lm_dir), "--lm-model", "none"]
     service, c = await start_service(args)
     try:
         await service.loaded()

@@ -1,0 +1,80 @@
+"""The sampler as a pure function: each path, seeds, top-k/top-p, logprobs modes."""
+
+from __future__ import annotations
+
+import torch
+
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.sampling import Sampler, SamplingMetadata, processed_logits
+from warmup_ctl.plan import CompilationMode, LogprobsMode
+
+VOCAB = 64
+
+
+def md(temps, seeds=None, top_k=0, top_p=1.0, logprobs=0, mode=LogprobsMode.RAW):
+    n = len(temps)
+    gens = {i: torch.Generator().manual_seed(s) for i, s in (seeds or {}).items()}
+    return SamplingMetadata(
+        temperature=torch.tensor(temps, dtype=torch.float32),
+        top_k=torch.full((n,), top_k),
+        top_p=torch.full((n,), top_p),
+        generators=gens,
+        num_logprobs=logprobs,
+        logprobs_mode=mode,
+    )
+
+
+def sampler() -> Sampler:
+    return Sampler("test", CompilationMode.NONE, CompileMonitor())
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    out = sampler()(logits, md([0.0, 0.0, 0.0]))
+    assert out.tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_seeded_row_ignores_its_neighbours_and_the_global_state():
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1))
+    others = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2))
+    s = sampler()
+    torch.manual_seed(0)
+    alone = s(torch.cat([row, others[:1]]), md([1.0, 0.0], {0: 42})).tokens[0].item()
+    torch.manual_seed(99)
+    batch = torch.cat([others[:2], row, others[2:]])
+    batched = s(batch, md([1.0, 1.0, 1.0, 0.0], {2: 42})).tokens[2].item()
+    assert alone == batched
+    draws = {s(torch.cat([row, row]), md([1.0, 1.0], {0: x})).tokens[0].item() for x in range(20)}
+    assert len(draws) > 1  # the seed matters
+
+
+def test_unseeded_random_follows_the_global_generator():
+    logits = torch.zeros(2, VOCAB)  # uniform: the noise decides
+    s = sampler()
+    torch.manual_seed(3)
+    a = s(logits, md([1.0, 1.0])).tokens.tolist()
+    torch.manual_seed(3)
+    b = s(logits, md([1.0, 1.0])).tokens.tolist()
+    assert a == b
+
+
+def test_top_k_and_top_p_mask_the_tail():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    x = processed_logits(logits, torch.tensor([1.0]), torch.tensor([2]), torch.tensor([1.0]))
+    assert torch.isfinite(x).tolist() == [[True, True, False, False, False]]
+    x = processed_logits(logits, torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0.5]))
+    assert torch.isfinite(x)[0, 0] and not torch.isfinite(x)[0, 2:].any()
+    tokens = {sampler()(logits, md([1.0], {0: s}, top_k=2)).tokens.item() for s in range(50)}
+    assert tokens <= {0, 1} and len(tokens) == 2
+
+
+def test_logprobs_raw_and_processed():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]] * 2)
+    s = sampler()
+    raw = s(logits, md([0.0, 0.0], logprobs=2))
+    want = logits.log_softmax(-1)
+    assert torch.allclose(raw.logprobs, want[:, 0])
+    assert raw.top_ids[0, :2].tolist() == [0, 1]
+    proc = s(logits, md([0.5, 0.5], {0: 1, 1: 2}, top_k=1, logprobs=2, mode=LogprobsMode.PROCESSED))
+    assert proc.tokens.tolist() == [0, 0]  # top_k=1 leaves one token
+    assert torch.allclose(proc.logprobs, torch.zeros(2))  # all mass on it
