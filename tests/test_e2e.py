@@ -1,0 +1,198 @@
+"""End to end: the service and the sidecar as separate processes.
+
+The central guarantee: after the sidecar marks a compiled service SERVING, no
+request path compiles anything. Plus: the reseed order, a restart in the middle
+of warmup, mode NONE costing no more than the load, and a step that keeps failing.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_svc._pb.inference.v1 import admin_pb2 as apb
+from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from tests.procs import ServiceProc, free_port, sidecar
+
+pytestmark = pytest.mark.e2e
+SERVING = health_pb2.HealthCheckResponse.SERVING
+RANDOM = pb.SamplingParams(temperature=0.8, top_k=50, max_tokens=8)
+
+
+def health_status(port: int, name: str = "inference.v1.Inference") -> int | None:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            req = health_pb2.HealthCheckRequest(service=name)
+            return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_serving(svc: ServiceProc, timeout: float) -> float:
+    """Seconds from the service's start until health says SERVING."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if health_status(svc.port) == SERVING:
+            return time.monotonic() - svc.started
+        if svc.popen.poll() is not None:
+            raise AssertionError(f"service exited:\n{svc.tail()}")
+        time.sleep(0.2)
+    raise AssertionError(f"not SERVING after {timeout} s:\n{svc.tail()}")
+
+
+def stub(svc: ServiceProc) -> inference_pb2_grpc.InferenceStub:
+    return inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{svc.port}"))
+
+
+def workload(inf: inference_pb2_grpc.InferenceStub) -> None:
+    """Every request path, over a mix of batch sizes and lengths within the buckets."""
+    texts = [
+        "short",
+        "a somewhat longer sentence about serving models " * 3,
+        "mid length text " * 8,
+    ]
+    for n in (1, 2, 3, 5, 8):
+        inf.Embed(pb.EmbedRequest(inputs=(texts * 3)[:n]), timeout=120)
+    prompts = ["Hi", "Tell me a story about a lighthouse keeper.", "word " * 40, "long " * 110]
+    sampling = [
+        pb.SamplingParams(max_tokens=6),
+        pb.SamplingParams(temperature=0.8, max_tokens=6),
+        pb.SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6),
+        pb.SamplingParams(temperature=0.5, logprobs=3, max_tokens=6),
+        pb.SamplingParams(max_tokens=6, logprobs=1),
+    ]
+    reqs = [pb.GenerateRequest(prompt=p, sampling=s) for p in prompts for s in sampling]
+    chat = [pb.ChatMessage(role="user", content="Name a colour.")]
+    reqs.append(pb.GenerateRequest(messages=chat, sampling=sampling[2]))
+    for width in (1, 2, 3, 4):
+        with ThreadPoolExecutor(width) as pool:
+            list(pool.map(lambda r: inf.Generate(r, timeout=300), reqs[: width * 3]))
+    list(inf.GenerateStream(reqs[7], timeout=300))
+
+
+@pytest.mark.slow
+def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
+    args = ["--port", "0", "--admin-port", "0", "--seed", "5", "--max-input-tokens", "128",
+            "--max-new-tokens", "32", "--embed-max-batch", "8"]  # fmt: skip
+    svc = ServiceProc(tmp_path, [*args, "--compilation-mode", "default"])
+    ctl = sidecar(tmp_path, svc)
+    try:
+        wait_serving(svc, timeout=2400)
+        inf = stub(svc)
+        # Reseed order: the first unseeded random request sees the configured seed's state.
+        first = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
+        workload(inf)
+        info = inf.Info(pb.InfoRequest())
+        assert info.late_compile_events == 0, svc.tail()
+        assert "late compile" not in svc.text()
+        assert "COMPILE" in ctl.text() and "SAMPLER" in ctl.text()
+    finally:
+        ctl.stop()
+        svc.stop()
+
+    # A fresh service with the same seed that runs no warmup at all: mode NONE, KV size
+    # explicit, so its plan is RESEED + MARK_SERVING only.
+    base = ServiceProc(tmp_path, [*args, "--kv-cache-tokens", "640"], name="base")
+    once = sidecar(tmp_path, base, "--once", name="base-ctl")
+    try:
+        assert once.popen.wait(timeout=600) == 0, once.tail()
+        fresh = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
+        assert list(fresh.token_ids) == list(first.token_ids)
+        # Mode NONE: no COMPILE or SAMPLER ran, and start to SERVING costs about the load.
+        assert "warmup COMPILE" not in base.text() and "warmup SAMPLER" not in base.text()
+        loads = [float(x) for x in re.findall(r"loaded model \w+ in ([\d.]+) s", base.text())]
+        start = base.log_times(r"loading model")[0]
+        serving = base.log_times(r"health: SERVING")[0]
+        ready = (serving - start).total_seconds()
+        assert ready <= 1.1 * sum(loads), (ready, loads)
+    finally:
+        once.stop()
+        base.stop()
+
+
+class HealthRecorder(threading.Thread):
+    """Polls health; each time it sees SERVING, asks Describe whether that boot was warmed."""
+
+    def __init__(self, port: int, admin_port: int) -> None:
+        super().__init__(daemon=True)
+        self.port, self.admin_port = port, admin_port
+        self.stop_event = threading.Event()
+        self.serving_boots: list[tuple[str, bool]] = []
+
+    def run(self) -> None:
+        admin = admin_pb2_grpc.WarmupAdminStub(
+            grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
+        )
+        while not self.stop_event.wait(0.1):
+            if health_status(self.port) != SERVING:
+                continue
+            try:
+                d = admin.Describe(apb.DescribeRequest(), timeout=5)
+            except grpc.RpcError:
+                continue
+            warmed = all(
+                s.done for s in d.required_steps if s.step != apb.WARMUP_STEP_KIND_MARK_SERVING
+            )
+            self.serving_boots.append((d.boot_id, warmed))
+
+
+def test_restart_in_the_middle_of_warmup(tmp_path: Path, tiny_embed_dir, tiny_lm_dir) -> None:
+    from tests.conftest import tiny_args
+
+    port, admin_port = free_port(), free_port()
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
+    args += ["--port", str(port), "--admin-port", str(admin_port)]
+    first = ServiceProc(tmp_path, args, name="svc1")
+    ctl = sidecar(tmp_path, first)
+    recorder = HealthRecorder(port, admin_port)
+    recorder.start()
+    second = None
+    try:
+        first.wait_for_log(r"warmup PROFILE generative", timeout=300)  # now compiling
+        first.stop(sig=9)
+        assert "health: SERVING" not in first.text()
+        second = ServiceProc(tmp_path, args, name="svc2")
+        assert second.boot_id != first.boot_id
+        wait_serving(second, timeout=900)
+        ctl.wait_for_log(second.boot_id, timeout=60)
+        info = stub(second).Info(pb.InfoRequest())
+        assert info.boot_id == second.boot_id and info.serving
+        time.sleep(0.5)
+        recorder.stop_event.set()
+        recorder.join()
+        assert recorder.serving_boots, "the recorder never saw SERVING"
+        assert {boot for boot, _ in recorder.serving_boots} == {second.boot_id}
+        assert all(warmed for _, warmed in recorder.serving_boots)
+    finally:
+        recorder.stop_event.set()
+        ctl.stop()
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_a_step_that_keeps_failing_leaves_the_service_not_serving(
+    tmp_path: Path, tiny_embed_dir, tiny_lm_dir
+) -> None:
+    from tests.conftest import tiny_args
+
+    # A KV-cache budget too small for two sequences: PROFILE fails every time.
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--kv-cache-memory-fraction", "0.0000001")
+    svc = ServiceProc(tmp_path, args)
+    ctl = sidecar(tmp_path, svc, "--once", "--retries", "1", "--backoff-initial", "0.1")
+    try:
+        assert ctl.popen.wait(timeout=300) == 1, ctl.tail()
+        assert "KV cache" in ctl.text() and "giving up" in ctl.text()
+        assert health_status(svc.port) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "health: SERVING" not in svc.text()
+    finally:
+        ctl.stop()
+        svc.stop()
