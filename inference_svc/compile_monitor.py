@@ -46,21 +46,19 @@ class CompileMonitor:
         self.late = 0
         self.late_by_model: Counter[str] = Counter()
         self.on_late: Callable[[LateCompile], None] | None = None
-        self._installed = False
 
     def install(self) -> None:
+        """Register the hook (again after a ``torch._dynamo.reset()``, which drops it)."""
         import torch._dynamo.callback as cb
 
-        if not self._installed:
+        if self._on_start not in cb.callback_handler.start_callbacks:
             cb.callback_handler.register_start_callback(self._on_start)
-            self._installed = True
 
     def close(self) -> None:
         import torch._dynamo.callback as cb
 
-        if self._installed:
+        if self._on_start in cb.callback_handler.start_callbacks:
             cb.callback_handler.remove_start_callback(self._on_start)
-            self._installed = False
 
     def mark_serving(self) -> None:
         with self._lock:
@@ -69,6 +67,7 @@ class CompileMonitor:
     @contextmanager
     def context(self, model: str, path: str, shapes: str) -> Iterator[None]:
         """Attribute compiles in this thread, inside the block, to this cause."""
+        self.install()  # cheap; re-registers after a torch._dynamo.reset() dropped the hook
         prev = getattr(self._local, "ctx", None)
         self._local.ctx = CompileContext(model, path, shapes)
         try:
