@@ -46,6 +46,13 @@ NEVER_RETRIED = frozenset(
 )
 
 
+# While the service answers "models still loading", Describe is cheap: poll it often, so the
+# warmup starts within a fraction of a second of the load (mode NONE costs only the load).
+LOADING_POLL_S = 0.25
+# ...and log that wait once every this many polls (10 s).
+LOADING_LOG_EVERY = 40
+
+
 class WarmupFailed(Exception):
     """Warmup cannot go on; str() is the reason, worded for the operator."""
 
@@ -72,6 +79,8 @@ def _log_retry(what: str, limit: str) -> Callable[[RetryCallState], None]:
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         wait = state.next_action.sleep if state.next_action else 0.0
+        if isinstance(exc, ModelsLoading) and state.attempt_number % LOADING_LOG_EVERY != 1:
+            return
         # Models loading is expected at start; anything else is worth a warning.
         level = logging.INFO if isinstance(exc, ModelsLoading) else logging.WARNING
         log.log(
@@ -107,6 +116,16 @@ class AdminClient:
     def _wait(self) -> wait_exponential:
         return wait_exponential(multiplier=self._cfg.backoff_initial, max=self._cfg.backoff_max)
 
+    def _wait_ready(self) -> Callable[[RetryCallState], float]:
+        """Short fixed polls while the models load; exponential backoff otherwise."""
+        backoff = self._wait()
+
+        def wait(state: RetryCallState) -> float:
+            exc = state.outcome.exception() if state.outcome else None
+            return LOADING_POLL_S if isinstance(exc, ModelsLoading) else backoff(state)
+
+        return wait
+
     async def describe(self) -> admin_pb2.DescribeResponse:
         """One Describe call, no retry (the watch loop polls with it)."""
         return await self._stub.Describe(admin_pb2.DescribeRequest(), timeout=self._cfg.rpc_timeout)
@@ -116,7 +135,7 @@ class AdminClient:
         cfg = self._cfg
         retrying = AsyncRetrying(
             stop=stop_before_delay(cfg.connect_timeout),
-            wait=self._wait(),
+            wait=self._wait_ready(),
             retry=retry_if_exception(
                 lambda e: isinstance(e, ModelsLoading) or _is_code(TRANSIENT, True)(e)
             ),
