@@ -26,6 +26,8 @@ class ServiceConfig:
     port_file: str | None = None  # write {"port", "admin_port", "pid"} here once listening
     embed_model: str = "default"  # "default" (packaged MiniLM), "none", or a directory
     lm_model: str = "default"  # "default" (packaged SmolLM2), "none", or a directory
+    # Converted (dequantized) GGUF models are kept here; "" turns the cache off.
+    model_cache_dir: str = "~/.cache/inference-svc/models"
     compilation_mode: CompilationMode = CompilationMode.NONE
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     seed: int = 0  # global random state at start and the seed Describe hands to Reseed
@@ -70,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--lm-model",
         default=_env("lm_model", d.lm_model),
         help="'default' (SmolLM2-135M-Instruct), 'none', or a local model directory",
+    )
+    add(
+        "--model-cache-dir",
+        default=_env("model_cache_dir", d.model_cache_dir),
+        help="where converted GGUF models are kept between starts ('' = no cache)",
     )
     add(
         "--compilation-mode",
@@ -131,6 +138,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         port_file=a.port_file,
         embed_model=a.embed_model,
         lm_model=a.lm_model,
+        model_cache_dir=a.model_cache_dir,
         compilation_mode=CompilationMode(a.compilation_mode),
         logprobs_mode=LogprobsMode(a.logprobs_mode),
         seed=int(a.seed),

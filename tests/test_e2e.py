@@ -79,6 +79,7 @@ def workload(inf: inference_pb2_grpc.InferenceStub) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # compiles the real models from scratch: minutes per graph
 def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
     args = ["--port", "0", "--admin-port", "0", "--seed", "5", "--max-input-tokens", "128",
             "--max-new-tokens", "32", "--embed-max-batch", "8"]  # fmt: skip

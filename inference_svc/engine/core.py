@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,8 +95,9 @@ class Engine:
         c = self.config
         limits = GenLimits(c.gen_max_batch, c.max_input_tokens, c.max_new_tokens)
         directory = resolve_lm_dir(c.lm_model)
+        cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
         model = load_generative(
-            LM_NAME, directory, limits, c.compilation_mode, self.monitor, device, dtype
+            LM_NAME, directory, limits, c.compilation_mode, self.monitor, device, dtype, cache
         )
         if c.kv_cache_tokens is not None:
             model.allocate_cache(c.kv_cache_tokens)

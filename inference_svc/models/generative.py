@@ -12,7 +12,7 @@ from torch import Tensor
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
 from inference_svc.models.llama import LlamaLM, LlamaShape
-from inference_svc.models.loading import load_hf_causal_lm
+from inference_svc.models.loading import load_causal_lm_parts
 from warmup_ctl.plan import CompilationMode
 
 log = logging.getLogger(__name__)
@@ -153,9 +153,9 @@ def load_generative(
     monitor: CompileMonitor,
     device: torch.device,
     dtype: torch.dtype,
+    cache_dir: Path | None = None,
 ) -> GenerativeModel:
-    hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
-    config = hf.config
+    config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"model type {config.model_type!r} is not supported for Generate "
@@ -168,7 +168,6 @@ def load_generative(
             f"{shape.max_positions} positions"
         )
     lm = LlamaLM(shape)
-    state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
     if shape.tie_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = lm.load_state_dict(state, strict=False)
@@ -176,7 +175,7 @@ def load_generative(
     if missing or unexpected:
         raise ValueError(f"weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
     lm.tie_weights()
-    del hf
+    del state
     lm = lm.to(device=device, dtype=dtype).eval()
     eos = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)

