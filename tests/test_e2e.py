@@ -107,16 +107,30 @@ def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
         assert once.popen.wait(timeout=600) == 0, once.tail()
         fresh = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
         assert list(fresh.token_ids) == list(first.token_ids)
-        # Mode NONE: no COMPILE or SAMPLER ran, and start to SERVING costs about the load.
-        assert "warmup COMPILE" not in base.text() and "warmup SAMPLER" not in base.text()
-        loads = [float(x) for x in re.findall(r"loaded model \w+ in ([\d.]+) s", base.text())]
-        start = base.log_times(r"loading model")[0]
-        serving = base.log_times(r"health: SERVING")[0]
-        ready = (serving - start).total_seconds()
-        assert ready <= 1.1 * sum(loads), (ready, loads)
     finally:
         once.stop()
         base.stop()
+
+
+def test_mode_none_runs_no_warmup_and_serves_right_after_the_load(tmp_path: Path) -> None:
+    args = ["--port", "0", "--admin-port", "0", "--kv-cache-tokens", "2048"]
+    svc = ServiceProc(tmp_path, args)
+    ctl = sidecar(tmp_path, svc, "--once")
+    try:
+        assert ctl.popen.wait(timeout=600) == 0, ctl.tail()
+        assert health_status(svc.port) == SERVING
+        assert "warmup COMPILE" not in svc.text() and "warmup SAMPLER" not in svc.text()
+        assert "COMPILE" in ctl.text() and "skipped: compilation mode NONE" in ctl.text()
+        loads = [float(x) for x in re.findall(r"loaded model \w+ in ([\d.]+) s", svc.text())]
+        assert len(loads) == 2
+        start = svc.log_times(r"loading model")[0]
+        serving = svc.log_times(r"health: SERVING")[0]
+        ready = (serving - start).total_seconds()
+        print(f"mode NONE: load {sum(loads):.2f} s, start to SERVING {ready:.2f} s")
+        assert ready <= 1.1 * sum(loads), (ready, loads)
+    finally:
+        ctl.stop()
+        svc.stop()
 
 
 class HealthRecorder(threading.Thread):

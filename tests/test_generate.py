@@ -132,3 +132,16 @@ async def test_generate_bad_input_is_invalid_argument(real, request_kwargs, need
             await call
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert needle in info.value.details()
+
+
+async def test_health_answers_while_a_generation_runs(real):
+    """Model work runs off the event loop: health checks complete during a long Generate."""
+    long = asyncio.ensure_future(
+        real.inference.Generate(pb.GenerateRequest(prompt=PROMPT, sampling=greedy(120)))
+    )
+    await asyncio.sleep(0.5)  # the batch is running on the model's thread
+    for _ in range(5):
+        assert await real.status("inference.v1.Inference") == 1  # SERVING
+    assert not long.done(), "the generation finished before the health checks: too short"
+    reply = await long
+    assert reply.usage.completion_tokens > 0
