@@ -1,0 +1,187 @@
+"""Steady-state latency in mode NONE: the service over gRPC against the same model in-process.
+
+In one run, one after another (never two at once, so they do not share the CPU):
+  1. the service as its own process (packaged models, --compilation-mode none), warmed by
+     `warmup-ctl --once`, called over gRPC on loopback;
+  2. the same code in this process, without gRPC: the service's Engine, warmed the same way;
+  3. the same weights through stock transformers: BertModel + mean pooling for Embed,
+     LlamaForCausalLM.generate (greedy, its own KV cache) for Generate.
+For each: Embed of one short text (median latency) and greedy Generate (median tokens/s),
+and the ratios against (2) and (3). Also the model load times from the service's log.
+
+  .venv/bin/python bench/latency.py [--repeats 30] [--tokens 64] [--out FILE]
+
+A benchmark, not a test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import torch
+
+from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_svc._pb.inference.v1 import inference_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TEXT = "The quick brown fox jumps over the lazy dog."
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def median_of(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # not timed: the first call is not steady state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def tokens_per_s(fn: Callable[[], int], repeats: int) -> float:
+    fn()
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        n = fn()
+        rates.append(n / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
+    ports = tmp / "ports.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    log = (tmp / "svc.log").open("w")
+    svc = subprocess.Popen(
+        [str(BIN / "inference-svc"), "--port", "0", "--admin-port", "0", "--port-file", str(ports)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    try:
+        while not ports.exists():
+            time.sleep(0.1)
+        p = json.loads(ports.read_text())
+        ctl = [str(BIN / "warmup-ctl"), "--once", "--admin", f"127.0.0.1:{p['admin_port']}",
+               "--public", f"127.0.0.1:{p['port']}"]  # fmt: skip
+        subprocess.run(ctl, check=True, env=env, capture_output=True)
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{p['port']}"))
+        embed = median_of(lambda: stub.Embed(pb.EmbedRequest(inputs=[TEXT])), repeats)
+        req = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=tokens))
+        rate = tokens_per_s(
+            lambda: stub.Generate(req).usage.completion_tokens, max(3, repeats // 6)
+        )
+        loads = re.findall(r"loaded model (\w+) in ([\d.]+) s", (tmp / "svc.log").read_text())
+        out = {"embed_s": embed, "gen_tok_s": rate}
+        out.update({f"load_{name}_s": float(sec) for name, sec in loads})
+        return out
+    finally:
+        svc.terminate()
+        svc.wait(30)
+        log.close()
+
+
+def in_process(repeats: int, tokens: int) -> dict[str, float]:
+    from inference_svc.config import parse_config
+    from inference_svc.engine.core import Engine
+    from inference_svc.engine.types import EmbedParams, GenerateParams
+    from warmup_ctl.plan import StepKind
+
+    engine = Engine(parse_config(["--port", "0", "--admin-port", "0"]))
+    engine.load()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(engine.warmup("generative", StepKind.PROFILE, []))
+    engine.reseed(None)
+    engine.mark_serving()
+    e_params = EmbedParams((TEXT,), True, False, 0)
+    g_params = GenerateParams(prompt=PROMPT, messages=(), max_tokens=tokens)
+
+    async def generate() -> int:
+        n = 0
+        async for chunk in engine.generate(lambda _limit: g_params):
+            n += len(chunk.token_ids)
+        return n
+
+    embed = median_of(
+        lambda: loop.run_until_complete(engine.embed_texts(lambda _: e_params)), repeats
+    )
+    rate = tokens_per_s(lambda: loop.run_until_complete(generate()), max(3, repeats // 6))
+    engine.close()
+    loop.close()
+    return {"embed_s": embed, "gen_tok_s": rate}
+
+
+def stock_transformers(repeats: int, tokens: int) -> dict[str, float]:
+    from transformers import AutoModel, AutoTokenizer
+
+    from inference_svc.models.loading import load_hf_causal_lm, resolve_embed_dir, resolve_lm_dir
+
+    d = str(resolve_embed_dir("default"))
+    tok, bert = AutoTokenizer.from_pretrained(d), AutoModel.from_pretrained(d).eval()
+
+    @torch.inference_mode()
+    def embed() -> torch.Tensor:
+        batch = tok([TEXT], return_tensors="pt")
+        hidden = bert(**batch).last_hidden_state
+        mask = batch["attention_mask"][..., None].float()
+        return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+
+    lm, lm_tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
+    ids = lm_tok(PROMPT, return_tensors="pt")["input_ids"]
+
+    @torch.inference_mode()
+    def generate() -> int:
+        out = lm.generate(ids, max_new_tokens=tokens, do_sample=False)
+        return out.shape[1] - ids.shape[1]
+
+    return {
+        "embed_s": median_of(embed, repeats),
+        "gen_tok_s": tokens_per_s(generate, max(3, repeats // 6)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--tokens", type=int, default=64, help="max_tokens of the Generate calls")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args()
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with tempfile.TemporaryDirectory() as tmp:
+        g = over_grpc(a.repeats, a.tokens, Path(tmp))
+    e = in_process(a.repeats, a.tokens)
+    s = stock_transformers(a.repeats, a.tokens)
+    lines = [
+        f"model load (service log): embedding {g.get('load_embedding_s', 0):.1f} s, "
+        f"generative {g.get('load_generative_s', 0):.1f} s",
+        "",
+        "| path | gRPC service | in-process engine | stock transformers | "
+        "gRPC / engine | gRPC / transformers |",
+        "|---|---|---|---|---|---|",
+        f"| Embed, one short text: median latency | {g['embed_s'] * 1e3:.1f} ms | "
+        f"{e['embed_s'] * 1e3:.1f} ms | {s['embed_s'] * 1e3:.1f} ms | "
+        f"{g['embed_s'] / e['embed_s']:.2f} | {g['embed_s'] / s['embed_s']:.2f} |",
+        f"| Generate greedy, {a.tokens} tokens: median tokens/s | {g['gen_tok_s']:.1f} | "
+        f"{e['gen_tok_s']:.1f} | {s['gen_tok_s']:.1f} | "
+        f"{g['gen_tok_s'] / e['gen_tok_s']:.2f} | {g['gen_tok_s'] / s['gen_tok_s']:.2f} |",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
