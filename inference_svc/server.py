@@ -16,7 +16,7 @@ import grpc
 from inference_svc import __version__
 from inference_svc._pb.inference.v1 import admin_pb2, admin_pb2_grpc, inference_pb2_grpc
 from inference_svc._pb.inference.v1 import inference_pb2 as pb
-from inference_svc.engine.core import Engine
+from inference_svc.engine.core import EMBED_NAME, LM_NAME, Engine
 from inference_svc.engine.types import EmbedParams, GenChunk, GenerateParams
 from inference_svc.errors import (
     FailedPrecondition,
@@ -78,13 +78,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return pb.EmbedResponse(
             embeddings=[pb.Embedding(values=v) for v in result.vectors],
             usage=pb.Usage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
-            model=self.engine.config.embed_model,
+            model=self.engine.display_names[EMBED_NAME],
         )
 
     @unary
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         log.debug("Generate")
-        out = pb.GenerateResponse(model=self.engine.config.lm_model)
+        out = pb.GenerateResponse(model=self.engine.display_names[LM_NAME])
         async for chunk in self._chunks(request):
             out.text += chunk.text
             out.token_ids.extend(chunk.token_ids)

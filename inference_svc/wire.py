@@ -133,7 +133,7 @@ def info_pb(engine: Engine, version: str) -> pb.InfoResponse:
         e = engine.embed.model
         out.models.append(
             pb.ModelInfo(
-                name=EMBED_NAME,
+                name=engine.display_names[EMBED_NAME],
                 kind=pb.MODEL_KIND_EMBEDDING,
                 dimensions=e.dimensions,
                 max_input_tokens=e.max_input_tokens,
@@ -150,7 +150,7 @@ def info_pb(engine: Engine, version: str) -> pb.InfoResponse:
         g = engine.gen.model
         out.models.append(
             pb.ModelInfo(
-                name=LM_NAME,
+                name=engine.display_names[LM_NAME],
                 kind=pb.MODEL_KIND_GENERATIVE,
                 dimensions=g.lm.shape.hidden_size,
                 max_input_tokens=g.limits.max_input_tokens,

@@ -78,3 +78,15 @@ async def test_embed_bad_input_is_invalid_argument(real, request_kwargs, needle)
         await real.inference.Embed(pb.EmbedRequest(**request_kwargs))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in info.value.details()
+
+
+async def test_info_names_the_models_and_their_limits(real):
+    info = await real.inference.Info(pb.InfoRequest())
+    by_kind = {m.kind: m for m in info.models}
+    embed, lm = by_kind[pb.MODEL_KIND_EMBEDDING], by_kind[pb.MODEL_KIND_GENERATIVE]
+    assert embed.name == "all-MiniLM-L6-v2" and embed.dimensions == 384
+    assert embed.max_input_tokens == 256 and not embed.has_kv_cache
+    assert lm.name == "SmolLM2-135M-Instruct" and lm.has_kv_cache and lm.vocab_size == 49152
+    assert info.compilation_mode == pb.COMPILATION_MODE_NONE and info.serving
+    reply = await real.inference.Embed(pb.EmbedRequest(inputs=["x"]))
+    assert reply.model == "all-MiniLM-L6-v2"

@@ -24,7 +24,13 @@ from inference_svc.engine.types import EmbedParams, EmbedResult, GenChunk, Gener
 from inference_svc.errors import InvalidArgument, Unavailable
 from inference_svc.models.embedding import load_embedding
 from inference_svc.models.generative import GenLimits, load_generative
-from inference_svc.models.loading import pick_device, pick_dtype, resolve_embed_dir, resolve_lm_dir
+from inference_svc.models.loading import (
+    display_name,
+    pick_device,
+    pick_dtype,
+    resolve_embed_dir,
+    resolve_lm_dir,
+)
 from inference_svc.sampling import Sampler
 from warmup_ctl.plan import ModelKind, ModelProfile, SamplerPath, Step, StepKind, plan
 
@@ -50,6 +56,8 @@ class Engine:
         self.embed: EmbedWorker | None = None
         self.gen: GenerateWorker | None = None
         self.loaded: list[LoadedModel] = []
+        # What responses and Info call each model (e.g. "all-MiniLM-L6-v2").
+        self.display_names: dict[str, str] = {}
         self.models_loaded = False
         self.compiled: dict[str, set[warmup.Bucket]] = {EMBED_NAME: set(), LM_NAME: set()}
         # Called with (serving, reason) whenever the health of the service changes.
@@ -80,6 +88,7 @@ class Engine:
     def _load_embed(self, device: torch.device, dtype: torch.dtype) -> None:
         c = self.config
         directory = resolve_embed_dir(c.embed_model)
+        self.display_names[EMBED_NAME] = display_name(c.embed_model, directory)
         model = load_embedding(
             EMBED_NAME,
             directory,
@@ -95,6 +104,7 @@ class Engine:
         c = self.config
         limits = GenLimits(c.gen_max_batch, c.max_input_tokens, c.max_new_tokens)
         directory = resolve_lm_dir(c.lm_model)
+        self.display_names[LM_NAME] = display_name(c.lm_model, directory)
         cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
         model = load_generative(
             LM_NAME, directory, limits, c.compilation_mode, self.monitor, device, dtype, cache

@@ -54,6 +54,14 @@ def resolve_lm_dir(spec: str) -> Path:
     return _checked_dir(spec)
 
 
+def display_name(spec: str, directory: Path) -> str:
+    """What responses and Info call the model: its upstream name, or its directory's."""
+    if spec == "default":
+        gguf = gguf_file(directory)
+        return gguf.split(".")[0] if gguf else "all-MiniLM-L6-v2"
+    return directory.name
+
+
 def _checked_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if not path.is_dir():
