@@ -211,3 +211,13 @@ def test_a_step_that_keeps_failing_leaves_the_service_not_serving(
     finally:
         ctl.stop()
         svc.stop()
+
+
+def test_a_missing_model_directory_fails_the_start_with_a_clear_message(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    svc = ServiceProc(tmp_path, ["--port", "0", "--admin-port", "0", "--lm-model", str(missing)])
+    try:
+        assert svc.popen.wait(timeout=120) == 1
+        assert f"model directory '{missing}' does not exist" in svc.text()
+    finally:
+        svc.stop()
