@@ -78,13 +78,13 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return pb.EmbedResponse(
             embeddings=[pb.Embedding(values=v) for v in result.vectors],
             usage=pb.Usage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens),
-            model=self.engine.display_names[EMBED_NAME],
+            model=self.engine.display_names.get(EMBED_NAME, ""),
         )
 
     @unary
     async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:
         log.debug("Generate")
-        out = pb.GenerateResponse(model=self.engine.display_names[LM_NAME])
+        out = pb.GenerateResponse(model=self.engine.display_names.get(LM_NAME, ""))
         async for chunk in self._chunks(request):
             out.text += chunk.text
             out.token_ids.extend(chunk.token_ids)

@@ -64,7 +64,7 @@ class GenerativeModel:
     # -- cache -------------------------------------------------------------
     @property
     def cache_rows(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache.shape[1]
+        return 0 if self.k_cache is None else self.k_cache.shape[0]
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -81,7 +81,8 @@ class GenerativeModel:
                 "(--kv-cache-tokens) or lower --max-input-tokens/--max-new-tokens"
             )
         s = self.lm.shape
-        dims = (s.num_layers, rows, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
+        # Rows first: a batch's rows, cache[:b], are one contiguous block.
+        dims = (rows, s.num_layers, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
         self.k_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
         log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[3])
@@ -114,7 +115,8 @@ class GenerativeModel:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
         with self.monitor.context(self.name, f"prefill/{path}", shapes):
-            return self._prefill(ids, positions, valid, self.k_cache, self.v_cache)
+            b = ids.shape[0]
+            return self._prefill(ids, positions, valid, self.k_cache[:b], self.v_cache[:b])
 
     @torch.inference_mode()
     def decode(
@@ -123,7 +125,8 @@ class GenerativeModel:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         shapes = f"batch={ids.shape[0]} slot={int(slot[0])}"
         with self.monitor.context(self.name, f"decode/{path}", shapes):
-            return self._decode(ids, positions, slot, valid, self.k_cache, self.v_cache)
+            b = ids.shape[0]
+            return self._decode(ids, positions, slot, valid, self.k_cache[:b], self.v_cache[:b])
 
     def dummy_prefill(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
         """A prefill of random tokens at this padded shape (warmup, profiling)."""

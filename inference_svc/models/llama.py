@@ -172,10 +172,11 @@ class LlamaLM(nn.Module):
     ) -> Tensor:
         """Run left-padded prompts [B, P]; fill cache slots [0, P); logits of the last slot.
 
-        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` are
-        [layers, rows, kv_heads, slots, head_dim]; rows [0, B) are used.
+        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` are the
+        batch's rows of the cache, [B, layers, kv_heads, slots, head_dim]: the
+        caller slices them, so the cache's batch size is the input's, one symbol.
         """
-        b, n = input_ids.shape
+        n = input_ids.shape[1]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
@@ -185,8 +186,8 @@ class LlamaLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            k_cache[i, :b, :, :n] = k
-            v_cache[i, :b, :, :n] = v
+            k_cache[:, i, :, :n] = k
+            v_cache[:, i, :, :n] = v
             h = self._mlp_block(layer, h, attn.attend(q, k, v, mask))
         return self._logits(h[:, -1])
 
@@ -204,15 +205,14 @@ class LlamaLM(nn.Module):
         ``valid`` [B, slots] marks the cache slots each row may attend to
         (its real prompt tokens and everything generated, this slot included).
         """
-        b = input_ids.shape[0]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         mask = valid[:, None, None, :]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            keys = k_cache[i, :b]
-            values = v_cache[i, :b]
+            keys = k_cache[:, i]
+            values = v_cache[:, i]
             keys.index_copy_(2, slot, k)
             values.index_copy_(2, slot, v)
             h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
