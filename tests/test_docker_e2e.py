@@ -66,17 +66,23 @@ def test_only_the_public_port_is_published() -> None:
             assert str(names.DEFAULT_ADMIN_PORT) not in str(port), name
 
 
-def test_sidecar_shares_the_namespace_and_the_admin_address() -> None:
+def test_server_and_sidecar_share_one_namespace_and_the_admin_address() -> None:
     services = compose()["services"]
-    svc_args = services["inference"]["command"]
+    svc_args = services["server"]["command"]
     assert svc_args[0] == "inference-svc"
     assert flag(svc_args, "--admin-host") == names.DEFAULT_ADMIN_HOST  # loopback only
     sidecar = services["warmup-ctl"]
-    assert sidecar["network_mode"] == "service:inference"
     assert sidecar["command"][0] == "warmup-ctl"
     admin = f"{flag(svc_args, '--admin-host')}:{flag(svc_args, '--admin-port')}"
     assert flag(sidecar["command"], "--admin") == admin
     assert flag(sidecar["command"], "--public") == f"127.0.0.1:{flag(svc_args, '--port')}"
+    assert int(flag(svc_args, "--port")) == names.DEFAULT_PORT
+    # Both join the namespace of `inference`, which only sleeps (a pause container): a
+    # container that joins the namespace of one that restarts is left in a dead namespace.
+    for name in ("server", "warmup-ctl"):
+        assert services[name]["network_mode"] == "service:inference", name
+        assert "ports" not in services[name], name
+    assert services["inference"]["command"] == ["sleep", "infinity"]
 
 
 def test_healthcheck_asks_grpc_health_for_the_gated_name() -> None:
@@ -100,7 +106,7 @@ def test_client_waits_for_healthy_and_calls_both_rpcs() -> None:
 
 def test_compile_cache_and_models_are_volumes() -> None:
     doc = compose()
-    mounts = dict(m.split(":", 1) for m in doc["services"]["inference"]["volumes"])
+    mounts = dict(m.split(":", 1) for m in doc["services"]["server"]["volumes"])
     cache_dir = re.search(r"TORCHINDUCTOR_CACHE_DIR=(\S+)", dockerfile())
     assert cache_dir
     assert cache_dir.group(1).startswith(mounts["compile-cache"].rstrip("/") + "/")

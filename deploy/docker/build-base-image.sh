@@ -25,12 +25,14 @@ MIRROR=${MIRROR:-http://deb.debian.org/debian}
 CACHE_DIR=${CACHE_DIR:-.cache/base-image}
 # python3-dev and g++: torch.compile's inductor backend compiles C++ at run time.
 PACKAGES=python3,python3-venv,python3-dev,g++,ca-certificates,tini
+# Bump when the rootfs recipe below changes (the hash also covers the settings above).
+RECIPE=1
 LABEL=org.inference-svc.base-recipe
 
 log() { echo "build-base-image: $*" >&2; }
 
 recipe_hash() {
-    { echo "$SUITE $MIRROR $PACKAGES"; cat "$0"; } | sha256sum | cut -c1-16
+    echo "$RECIPE $SUITE $MIRROR $PACKAGES" | sha256sum | cut -c1-16
 }
 hash=$(recipe_hash)
 
@@ -77,10 +79,14 @@ if [ ! -s "$tarball" ]; then
 fi
 
 log "importing $tarball as $BASE_TAG"
+previous=$(docker image inspect --format '{{.Id}}' "$BASE_TAG" 2>/dev/null || true)
 docker import \
     --change "LABEL $LABEL=$hash" \
     --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     --change 'ENV LANG=C.UTF-8' \
     --change 'CMD ["python3"]' \
     "$tarball" "$BASE_TAG" >&2
+if [ -n "$previous" ]; then  # the old recipe's image, now untagged
+    docker rmi "$previous" >/dev/null 2>&1 || true
+fi
 echo "$BASE_TAG"

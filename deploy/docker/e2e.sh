@@ -5,10 +5,13 @@
 #   2. builds a local base image (deploy/docker/build-base-image.sh: debootstrap + docker import)
 #   3. builds the project image on it
 #   4. docker-compose up: waits for the inference container to turn healthy (the grpc.health.v1
-#      healthcheck), checks the example client waited for that and exited 0
+#      healthcheck), checks the example client waited for that and exited 0, and that the
+#      client's calls compiled nothing (late compile events: 0)
 #   5. checks the public port answers from the host and the admin port is reachable from
-#      neither the host nor another container, only inside the pod's network namespace
-#   6. tears everything down (containers, network, volumes), also on failure or Ctrl-C
+#      neither the host nor another container, only inside the shared network namespace
+#   6. restarts the server container: the sidecar must warm the new process (from the compile
+#      cache volume) and the client must pass again
+#   7. tears everything down (containers, network, volumes), also on failure or Ctrl-C
 #
 #   deploy/docker/e2e.sh                 # everything (a cold compile: tens of minutes on 2 cores)
 #   E2E_UNTIL=build deploy/docker/e2e.sh # stop after the image build (+ compose config check)
@@ -19,6 +22,8 @@
 #   E2E_COMPILATION_MODE  the service's --compilation-mode        (default default)
 #   E2E_TIMEOUT           seconds to wait for healthy             (default 3000)
 #   E2E_IMAGE             the project image tag                   (default inference-svc:e2e)
+#   E2E_RESTART=0         skip step 6
+#   E2E_ALLOW_LATE_COMPILES=1  report late compile events instead of failing on them
 #   E2E_KEEP=1            leave the containers and volumes up at the end
 #   BASE_IMAGE            skip step 2 and build on this image instead
 # Prints a timing line per stage, and "e2e: PASS" last. Needs root.
@@ -135,6 +140,24 @@ state() {  # state CONTAINER -> "running healthy", "exited 0", "created", ...
         "$1" 2>/dev/null || echo "absent"
 }
 cid_of() { "${compose[@]}" ps -q "$1" 2>/dev/null || true; }
+cli() {  # cli SUBCOMMAND ARGS...: inference-cli against the published port, from the host
+    local sub=$1
+    shift
+    docker run --rm --network host "$IMAGE" inference-cli "$sub" --addr "127.0.0.1:$INFERENCE_PORT" "$@"
+}
+info_field() {  # info_field NAME: a field of the Info reply
+    cli info --json | python3 -c 'import json, sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"
+}
+check_late_compiles() {
+    local late
+    late=$(info_field late_compile_events)
+    log "late compile events (compiles after SERVING): $late"
+    if [ "$late" != 0 ]; then
+        "${compose[@]}" logs --no-color server 2>&1 | grep -i -E "late|recompil" | tail -20 >&2 || true
+        if [ "${E2E_ALLOW_LATE_COMPILES:-0}" = 1 ]; then log "WARNING: requests hit cold paths"
+        else log "requests hit cold paths after SERVING"; exit 1; fi
+    fi
+}
 
 # `up -d` itself blocks until the healthcheck passes (the client depends on service_healthy).
 "${compose[@]}" up -d --no-build >.cache/e2e-up.log 2>&1 &
@@ -146,8 +169,7 @@ for _ in $(seq 120); do case "$(state "$svc")" in running* | exited* | dead*) br
 stage "containers created"
 
 # The process listens at once; "liveness" answers SERVING before any warmup.
-docker run --rm --network host "$IMAGE" \
-    inference-cli health --addr "127.0.0.1:$INFERENCE_PORT" --service liveness --wait --timeout 300 >&2
+cli health --service liveness --wait --timeout 300 >&2
 stage "liveness SERVING (listening)"
 
 check_ports() {
@@ -205,6 +227,10 @@ while :; do
         "running healthy") break ;;
         "running unhealthy" | exited* | dead* | absent) log "inference is $s"; exit 1 ;;
     esac
+    server=$(cid_of server)
+    if [ -n "$server" ] && [ "$(docker inspect --format '{{.RestartCount}}' "$server")" != 0 ]; then
+        log "the server container restarted during warmup"; exit 1
+    fi
     client=$(cid_of client)
     if [ -n "$client" ] && [ "$(docker inspect --format '{{.State.StartedAt}}' "$client")" != \
         "0001-01-01T00:00:00Z" ]; then
@@ -225,5 +251,19 @@ docker logs "$client" >&2
 stage "client (embed + generate)"
 
 check_ports
-docker run --rm --network host "$IMAGE" inference-cli info --addr "127.0.0.1:$INFERENCE_PORT" >&2
+cli info >&2
+check_late_compiles
+
+# --- 6. restart the server: the sidecar warms the new process --------------------------------
+if [ "${E2E_RESTART:-1}" = 1 ]; then
+    boot=$(info_field boot_id)
+    "${compose[@]}" restart server >&2
+    cli health --wait --timeout "$TIMEOUT" >&2
+    [ "$(info_field boot_id)" != "$boot" ] || { log "still the old process after restart"; exit 1; }
+    stage "server restart to SERVING (cache)"
+    code=$(docker start --attach "$client" >&2; docker wait "$client")
+    [ "$code" = 0 ] || { log "the client exited $code after the restart"; exit 1; }
+    check_late_compiles
+    stage "client again"
+fi
 log "PASS"
