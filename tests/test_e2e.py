@@ -25,6 +25,7 @@ from tests.procs import ServiceProc, free_port, sidecar
 pytestmark = pytest.mark.e2e
 SERVING = health_pb2.HealthCheckResponse.SERVING
 RANDOM = pb.SamplingParams(temperature=0.8, top_k=50, max_tokens=8)
+SEEDED = pb.SamplingParams(temperature=0.8, top_p=0.9, seed=77, max_tokens=8)
 
 
 def health_status(port: int, name: str = "inference.v1.Inference") -> int | None:
@@ -90,6 +91,7 @@ def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
         inf = stub(svc)
         # Reseed order: the first unseeded random request sees the configured seed's state.
         first = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
+        seeded = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=SEEDED))
         workload(inf)
         info = inf.Info(pb.InfoRequest())
         assert info.late_compile_events == 0, svc.tail()
@@ -107,6 +109,9 @@ def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
         assert once.popen.wait(timeout=600) == 0, once.tail()
         fresh = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
         assert list(fresh.token_ids) == list(first.token_ids)
+        # And a seeded request gives the same tokens in another process.
+        again = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=SEEDED))
+        assert list(again.token_ids) == list(seeded.token_ids)
     finally:
         once.stop()
         base.stop()
