@@ -226,3 +226,32 @@ def test_a_missing_model_directory_fails_the_start_with_a_clear_message(tmp_path
         assert f"model directory '{missing}' does not exist" in svc.text()
     finally:
         svc.stop()
+
+
+def test_sigterm_drains_in_flight_calls_and_flips_health_at_once(tmp_path: Path) -> None:
+    args = ["--port", "0", "--admin-port", "0", "--embed-model", "none"]
+    svc = ServiceProc(tmp_path, [*args, "--kv-cache-tokens", "2048", "--grace-period", "60"])
+    try:
+        admin = admin_pb2_grpc.WarmupAdminStub(grpc.insecure_channel(f"127.0.0.1:{svc.admin_port}"))
+        wait = {"wait_for_ready": True, "timeout": 300}
+        while not admin.Describe(apb.DescribeRequest(), **wait).models_loaded:
+            time.sleep(0.2)
+        admin.Reseed(apb.ReseedRequest(), **wait)
+        admin.MarkServing(apb.MarkServingRequest(), **wait)
+        channel = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service="inference.v1.Inference")
+        )
+        assert next(watch).status == SERVING
+        long = pb.GenerateRequest(prompt="Tell a long story.", sampling=pb.SamplingParams(
+            max_tokens=80, stop=["\u2603"]))  # fmt: skip
+        call = inference_pb2_grpc.InferenceStub(channel).Generate.future(long, timeout=300)
+        time.sleep(1.0)  # the generation is under way
+        svc.popen.terminate()
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not call.done()
+        reply = call.result()  # the in-flight call completes within the grace period
+        assert reply.usage.completion_tokens > 0
+        assert svc.popen.wait(timeout=120) == 0
+    finally:
+        svc.stop()
