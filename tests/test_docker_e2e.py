@@ -106,10 +106,14 @@ def test_client_waits_for_healthy_and_calls_both_rpcs() -> None:
 
 def test_compile_cache_and_models_are_volumes() -> None:
     doc = compose()
-    mounts = dict(m.split(":", 1) for m in doc["services"]["server"]["volumes"])
-    cache_dir = re.search(r"TORCHINDUCTOR_CACHE_DIR=(\S+)", dockerfile())
-    assert cache_dir
-    assert cache_dir.group(1).startswith(mounts["compile-cache"].rstrip("/") + "/")
+    server = doc["services"]["server"]
+    mounts = dict(m.split(":", 1) for m in server["volumes"])
+    # The root file system is read-only: every cache the image names is on the cache volume.
+    caches = re.findall(r"^\s*(\w*CACHE_DIR|HF_HOME)=(\S+)", dockerfile(), re.MULTILINE)
+    assert "TORCHINDUCTOR_CACHE_DIR" in dict(caches)
+    for env, path in caches:
+        assert path.startswith(mounts["compile-cache"].rstrip("/") + "/"), env
+    assert server["read_only"] is True and "/tmp" in server["tmpfs"]
     assert mounts["models"] == "/models"
     assert {"compile-cache", "models"} <= set(doc["volumes"])
 

@@ -130,15 +130,23 @@ def test_every_container_has_resource_requests() -> None:
         assert {"cpu", "memory"} <= set(c["resources"]["requests"]), c["name"]
 
 
-def test_compile_cache_is_a_volume_where_the_image_puts_it() -> None:
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    cache_dir = re.search(r"TORCHINDUCTOR_CACHE_DIR=(\S+)", dockerfile)
-    assert cache_dir, "the Dockerfile sets TORCHINDUCTOR_CACHE_DIR"
+def image_write_dirs() -> dict[str, str]:
+    """The Dockerfile's cache directories: the service writes there at run time."""
+    found = re.findall(r"^\s*(\w*CACHE_DIR|HF_HOME)=(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert "TORCHINDUCTOR_CACHE_DIR" in dict(found)
+    return dict(found)
+
+
+def test_caches_are_on_volumes_where_the_image_puts_them() -> None:
+    """The root file system is read-only: every cache the image names is on a volume."""
     mounts = {m["mountPath"]: m["name"] for m in container("inference")["volumeMounts"]}
-    covering = [p for p in mounts if cache_dir.group(1).startswith(p.rstrip("/") + "/")]
-    assert covering, f"{cache_dir.group(1)} is not on a volume: {mounts}"
     volumes = {v["name"] for v in pod_spec()["volumes"]}
-    assert mounts[covering[0]] in volumes
+    for env, path in image_write_dirs().items():
+        covering = [p for p in mounts if path.startswith(p.rstrip("/") + "/")]
+        assert covering, f"{env}={path} is not on a volume: {mounts}"
+        assert mounts[covering[0]] in volumes
+    assert container("inference")["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "/tmp" in mounts
 
 
 def test_pod_runs_as_the_image_user_and_non_root() -> None:
