@@ -58,13 +58,14 @@ class GenerativeModel:
         self.prefill_buckets = length_buckets(limits.max_input_tokens)
         self._prefill = compile_fn(lm.prefill, mode)
         self._decode = compile_fn(lm.decode, mode)
-        self.k_cache: Tensor | None = None
-        self.v_cache: Tensor | None = None
+        # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
+        self.k_cache: list[Tensor] | None = None
+        self.v_cache: list[Tensor] | None = None
 
     # -- cache -------------------------------------------------------------
     @property
     def cache_rows(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache.shape[0]
+        return 0 if self.k_cache is None else self.k_cache[0].shape[0]
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -81,11 +82,12 @@ class GenerativeModel:
                 "(--kv-cache-tokens) or lower --max-input-tokens/--max-new-tokens"
             )
         s = self.lm.shape
-        # Rows first: a batch's rows, cache[:b], are one contiguous block.
-        dims = (rows, s.num_layers, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
-        self.k_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(dims, dtype=self.dtype, device=self.device)
-        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[3])
+        # Rows first: a batch's rows, cache[:b], are one contiguous block of each layer.
+        dims = (rows, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
+        opts = {"dtype": self.dtype, "device": self.device}
+        self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
+        self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
+        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[2])
         return rows
 
     def kv_bytes_per_token(self) -> int:
@@ -112,21 +114,23 @@ class GenerativeModel:
     # -- forward passes ----------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, path: str) -> Tensor:
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
         with self.monitor.context(self.name, f"prefill/{path}", shapes):
-            b = ids.shape[0]
-            return self._prefill(ids, positions, valid, self.k_cache[:b], self.v_cache[:b])
+            keys, values = self._rows(ids.shape[0])
+            return self._prefill(ids, positions, valid, keys, values)
 
     @torch.inference_mode()
     def decode(
         self, ids: Tensor, positions: Tensor, slot: Tensor, valid: Tensor, path: str
     ) -> Tensor:
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         shapes = f"batch={ids.shape[0]} slot={int(slot[0])}"
         with self.monitor.context(self.name, f"decode/{path}", shapes):
-            b = ids.shape[0]
-            return self._decode(ids, positions, slot, valid, self.k_cache[:b], self.v_cache[:b])
+            keys, values = self._rows(ids.shape[0])
+            return self._decode(ids, positions, slot, valid, keys, values)
+
+    def _rows(self, batch: int) -> tuple[list[Tensor], list[Tensor]]:
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
+        return [k[:batch] for k in self.k_cache], [v[:batch] for v in self.v_cache]
 
     def dummy_prefill(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
         """A prefill of random tokens at this padded shape (warmup, profiling)."""

@@ -167,14 +167,16 @@ class LlamaLM(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         valid: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        k_cache: list[Tensor],
+        v_cache: list[Tensor],
     ) -> Tensor:
         """Run left-padded prompts [B, P]; fill cache slots [0, P); logits of the last slot.
 
-        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` are the
-        batch's rows of the cache, [B, layers, kv_heads, slots, head_dim]: the
-        caller slices them, so the cache's batch size is the input's, one symbol.
+        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` hold one
+        tensor per layer, the batch's rows of the cache, [B, kv_heads, slots,
+        head_dim]: the caller slices them, so the cache's batch size is the input's
+        (one symbol), and each layer's write is an in-place store into its own input
+        (inductor writes it where it is, no copy of the cache).
         """
         n = input_ids.shape[1]
         h = self.model.embed_tokens(input_ids)
@@ -186,8 +188,8 @@ class LlamaLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            k_cache[:, i, :, :n] = k
-            v_cache[:, i, :, :n] = v
+            k_cache[i][:, :, :n] = k
+            v_cache[i][:, :, :n] = v
             h = self._mlp_block(layer, h, attn.attend(q, k, v, mask))
         return self._logits(h[:, -1])
 
@@ -197,8 +199,8 @@ class LlamaLM(nn.Module):
         positions: Tensor,
         slot: Tensor,
         valid: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
+        k_cache: list[Tensor],
+        v_cache: list[Tensor],
     ) -> Tensor:
         """One token per row [B, 1] written at cache ``slot`` (a 1-element long tensor).
 
@@ -211,8 +213,8 @@ class LlamaLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            keys = k_cache[:, i]
-            values = v_cache[:, i]
+            keys = k_cache[i]
+            values = v_cache[i]
             keys.index_copy_(2, slot, k)
             values.index_copy_(2, slot, v)
             h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
