@@ -98,6 +98,7 @@ class Engine:
             device,
             dtype,
         )
+        model.warm_text()
         self.embed = EmbedWorker(model, c.max_queue)
 
     def _load_lm(self, device: torch.device, dtype: torch.dtype) -> None:
@@ -111,6 +112,7 @@ class Engine:
         )
         if c.kv_cache_tokens is not None:
             model.allocate_cache(c.kv_cache_tokens)
+        model.warm_text()
         sampler = Sampler(LM_NAME, c.compilation_mode, self.monitor)
         self.gen = GenerateWorker(model, sampler, c.logprobs_mode, c.max_queue)
 

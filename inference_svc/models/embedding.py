@@ -82,6 +82,10 @@ class EmbeddingModel:
         """Token ids per text, untruncated (the caller checks the limit)."""
         return [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
 
+    def warm_text(self) -> None:
+        """Run the tokenizer once: its first call sets things up lazily."""
+        self.tokenize(["warm up", "the text path"])
+
     def truncate(self, ids: list[int]) -> list[int]:
         """Cut to the limit, keeping the final [SEP] token as the tokenizer would."""
         return ids[: self.max_input_tokens - 1] + ids[-1:]

@@ -111,6 +111,14 @@ class GenerativeModel:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def warm_text(self) -> None:
+        """Run the text path once (tokenizer, chat template, decoding): its first call
+        sets things up lazily, and that first call should not be a request's."""
+        ids = self.encode("warm up", [])
+        ids += self.encode("", [{"role": "user", "content": "warm up"}])
+        self.detokenize(ids)
+        self.token_text(ids[0])
+
     # -- forward passes ----------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, path: str) -> Tensor:
