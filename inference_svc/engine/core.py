@@ -188,7 +188,10 @@ class Engine:
         if model == EMBED_NAME and self.embed is not None:
             m = self.embed.model
             if kind is StepKind.COMPILE:
-                return lambda: warmup.compile_buckets(m, self.compiled[EMBED_NAME], mon)
+                embed = self.embed
+                return lambda: warmup.compile_buckets(
+                    m, self.compiled[EMBED_NAME], mon, after=embed.warm_request
+                )
             reason = "embedding model: no KV cache" if kind is StepKind.PROFILE else "no sampler"
             return lambda: warmup.StepReport(model, kind, True, f"{reason}: nothing to warm")
         if model == LM_NAME and self.gen is not None:

@@ -46,6 +46,13 @@ class EmbedWorker(ModelWorker[EmbedJob]):
             ids[i] = m.truncate(row)
         return EmbedJob(ids, params)
 
+    def warm_request(self) -> None:
+        """One request through the whole path (tokenize, batch, forward, normalise),
+        run on this thread by the warmup: nothing of it is left for a client to run first."""
+        job = self.prepare(EmbedParams(("warm up the request path",), True, False, 0))
+        self.run_batch([job])
+        job.future.result()
+
     def batch_size_of(self, job: EmbedJob) -> int:
         return len(job.ids)
 

@@ -107,9 +107,13 @@ def profile(
 
 
 def compile_buckets(
-    model: GenerativeModel | EmbeddingModel, compiled: set[Bucket], monitor: CompileMonitor
+    model: GenerativeModel | EmbeddingModel,
+    compiled: set[Bucket],
+    monitor: CompileMonitor,
+    after: Callable[[], None] | None = None,
 ) -> StepReport:
-    """Dummy forwards over every shape bucket not compiled yet."""
+    """Dummy forwards over every shape bucket not compiled yet; then ``after`` (a request
+    through the whole request path, so its eager steps are not first run by a client)."""
     report = StepReport(model.name, StepKind.COMPILE)
     if model.mode is CompilationMode.NONE:
         report.skipped, report.skip_reason = True, "compilation mode NONE: nothing compiles"
@@ -140,6 +144,8 @@ def compile_buckets(
                 model.dummy_decode(batch, gen)
             compiled.add(bucket)
             report.shapes.append(bucket)
+        if after is not None:
+            after()
         report.detail = f"{len(todo)} of {len(buckets)} buckets run"
 
     return timed(monitor, report, run)
