@@ -38,7 +38,7 @@ from inference_svc._pb.inference.v1 import inference_pb2_grpc
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TEXT = "The quick brown fox jumps over the lazy dog."
-PROMPT = "Write a long story about a lighthouse keeper and the sea."
+PROMPT = "Write a long story about a lighthouse keeper and the sea."  # sent as a chat message
 
 
 def median_of(fn: Callable[[], object], repeats: int) -> float:
@@ -78,7 +78,8 @@ def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
         subprocess.run(ctl, check=True, env=env, capture_output=True)
         stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{p['port']}"))
         embed = median_of(lambda: stub.Embed(pb.EmbedRequest(inputs=[TEXT])), repeats)
-        req = pb.GenerateRequest(prompt=PROMPT, sampling=pb.SamplingParams(max_tokens=tokens))
+        chat = [pb.ChatMessage(role="user", content=PROMPT)]
+        req = pb.GenerateRequest(messages=chat, sampling=pb.SamplingParams(max_tokens=tokens))
         rate = tokens_per_s(
             lambda: stub.Generate(req).usage.completion_tokens, max(3, repeats // 6)
         )
@@ -105,7 +106,7 @@ def in_process(repeats: int, tokens: int) -> dict[str, float]:
     engine.reseed(None)
     engine.mark_serving()
     e_params = EmbedParams((TEXT,), True, False, 0)
-    g_params = GenerateParams(prompt=PROMPT, messages=(), max_tokens=tokens)
+    g_params = GenerateParams(prompt="", messages=(("user", PROMPT),), max_tokens=tokens)
 
     async def generate() -> int:
         n = 0
@@ -138,7 +139,9 @@ def stock_transformers(repeats: int, tokens: int) -> dict[str, float]:
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
     lm, lm_tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
-    ids = lm_tok(PROMPT, return_tensors="pt")["input_ids"]
+    chat = [{"role": "user", "content": PROMPT}]
+    ids = lm_tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
 
     @torch.inference_mode()
     def generate() -> int:
