@@ -23,7 +23,7 @@ from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2, infere
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import Engine
 from inference_svc.names import GATED_HEALTH_NAMES, HEALTH_LIVENESS
-from inference_svc.server import AdminServicer, InferenceServicer
+from inference_svc.server import AdminServicer, InferenceServicer, warm_messages
 
 log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -44,6 +44,7 @@ class Service:
     async def start(self) -> None:
         """Listen on both ports, then start loading the models in the background."""
         c = self.config
+        warm_messages()
         for name in GATED_HEALTH_NAMES:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(HEALTH_LIVENESS, SERVING)

@@ -67,6 +67,21 @@ def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     return wrapper
 
 
+def warm_messages() -> None:
+    """Build, serialize and parse each message once: protobuf sets a message class up
+    lazily on its first use, and that first use should not be a client's request."""
+    samples = [
+        pb.EmbedResponse(embeddings=[pb.Embedding(values=[0.5, 1.5])], usage=pb.Usage()),
+        pb.GenerateResponse(token_ids=[1], logprobs=[pb.TokenLogprob(top=[pb.TopLogprob()])]),
+        pb.GenerateChunk(token_ids=[1], logprobs=[pb.TokenLogprob(top=[pb.TopLogprob()])]),
+        pb.EmbedRequest(inputs=["x"], normalize=True),
+        pb.GenerateRequest(messages=[pb.ChatMessage()], sampling=pb.SamplingParams(seed=1)),
+        pb.InfoResponse(models=[pb.ModelInfo()]),
+    ]
+    for msg in samples:
+        type(msg).FromString(msg.SerializeToString())
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

@@ -38,8 +38,12 @@ def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(out)
 
 
-def batch_buckets(limit: int) -> tuple[int, ...]:
-    """Powers of two from 2 up to ``limit``: a batch of 1 is padded to 2."""
+def batch_buckets(limit: int, mode: CompilationMode) -> tuple[int, ...]:
+    """Powers of two up to ``limit``. Compiled, from 2: a batch of 1 is padded to 2, so no
+    size-1 specialisation is left to compile later. Eager, from 1: nothing compiles, and
+    on a CPU one row costs much less than two (a matrix-vector product)."""
+    if mode is CompilationMode.NONE:
+        return length_buckets(limit, smallest=1)
     return length_buckets(max(limit, 2), smallest=2)
 
 

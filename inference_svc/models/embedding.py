@@ -73,7 +73,7 @@ class EmbeddingModel:
         self.device, self.dtype = param.device, param.dtype
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
-        self.batch_buckets = batch_buckets(max_batch)
+        self.batch_buckets = batch_buckets(max_batch, mode)
         self.length_buckets = length_buckets(max_input_tokens)
         self.pad_id = tokenizer.pad_token_id or 0
         self._forward = compile_fn(pooled, mode)

@@ -54,7 +54,7 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.batch_buckets = batch_buckets(limits.max_batch)
+        self.batch_buckets = batch_buckets(limits.max_batch, mode)
         self.prefill_buckets = length_buckets(limits.max_input_tokens)
         self._prefill = compile_fn(lm.prefill, mode)
         self._decode = compile_fn(lm.decode, mode)

@@ -97,6 +97,19 @@ class Attention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
+    def attend_one(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        """Attention of one new token per row ([B, H, 1, D]) over the whole cache.
+
+        The query heads that share a KV head become that head's "query positions"
+        ([B, KV, H/KV, D]), so the cache is read as it is, never expanded per query head
+        (expanding copies every layer's cache at every step).
+        """
+        b, heads, _, d = q.shape
+        kv = k.shape[1]
+        grouped = q.reshape(b, kv, heads // kv, d)
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+        return self.o_proj(out.reshape(b, 1, heads * d))
+
 
 class MLP(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
@@ -217,5 +230,5 @@ class LlamaLM(nn.Module):
             values = v_cache[i]
             keys.index_copy_(2, slot, k)
             values.index_copy_(2, slot, v)
-            h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
+            h = self._mlp_block(layer, h, attn.attend_one(q, keys, values, mask))
         return self._logits(h[:, -1])
