@@ -39,10 +39,17 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator] = field(default_factory=dict)
     num_logprobs: int = 0  # most alternatives any row asked for; 0 = none
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    # Rows that sample (temperature > 0); None: read them off ``temperature``.
+    random_rows: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.random_rows is None:
+            rows = tuple(i for i, t in enumerate(self.temperature.tolist()) if t > 0)
+            object.__setattr__(self, "random_rows", rows)
 
     @property
     def all_greedy(self) -> bool:
-        return bool((self.temperature <= 0).all())
+        return not self.random_rows
 
 
 @dataclass(frozen=True)
@@ -117,12 +124,17 @@ class Sampler:
 
     @staticmethod
     def _noise(processed: Tensor, md: SamplingMetadata) -> Tensor:
-        q = torch.empty(processed.shape, dtype=torch.float32, device=processed.device)
+        """Exp(1) noise for the sampling rows only: greedy and padding rows draw nothing,
+        so the global random stream depends on the requests, not on how they were padded."""
+        q = torch.ones(processed.shape, dtype=torch.float32, device=processed.device)
+        rows = md.random_rows or ()
         if md.logprobs_mode is LogprobsMode.PROCESSED:
-            for row in range(q.shape[0]):
+            for row in rows:
                 q[row].exponential_(generator=md.generators.get(row))
-        else:
-            q.exponential_()
-            for row, gen in md.generators.items():
-                q[row].exponential_(generator=gen)
+            return q.clamp_(min=1e-10)
+        unseeded = [row for row in rows if row not in md.generators]
+        if unseeded:  # the batched fast path: one draw from the global generator
+            q[unseeded] = torch.empty(len(unseeded), q.shape[1], device=q.device).exponential_()
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
         return q.clamp_(min=1e-10)

@@ -78,3 +78,14 @@ def test_logprobs_raw_and_processed():
     proc = s(logits, md([0.5, 0.5], {0: 1, 1: 2}, top_k=1, logprobs=2, mode=LogprobsMode.PROCESSED))
     assert proc.tokens.tolist() == [0, 0]  # top_k=1 leaves one token
     assert torch.allclose(proc.logprobs, torch.zeros(2))  # all mass on it
+
+
+def test_unseeded_stream_ignores_padding_and_greedy_rows():
+    """The global stream is drawn for sampling rows only: padding a batch changes nothing."""
+    row = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
+    s = sampler()
+    torch.manual_seed(11)
+    alone = [s(row, md([1.0])).tokens[0].item() for _ in range(6)]
+    torch.manual_seed(11)
+    padded = [s(torch.cat([row, row]), md([1.0, 0.0])).tokens[0].item() for _ in range(6)]
+    assert alone == padded
