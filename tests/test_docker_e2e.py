@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from inference_svc import names
+from tests.cmdline import flag
 
 ROOT = Path(__file__).resolve().parents[1]
 E2E_TIMEOUT_S = int(os.environ.get("E2E_PYTEST_TIMEOUT", "5400"))
@@ -35,15 +36,6 @@ def compose() -> dict[str, Any]:
 
 def dockerfile() -> str:
     return (ROOT / "Dockerfile").read_text()
-
-
-def flag(args: list[str], name: str) -> str:
-    for i, arg in enumerate(args):
-        if arg == name:
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    raise AssertionError(f"{name} not in {args}")
 
 
 def seconds(duration: str) -> int:

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from inference_svc import names
+from tests.cmdline import flag
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -48,16 +49,6 @@ def container(name: str) -> dict[str, Any]:
         if c["name"] == name:
             return c
     raise AssertionError(f"no container {name!r}")
-
-
-def flag(args: list[str], name: str) -> str:
-    """The value of --name=V or --name V in a command line."""
-    for i, arg in enumerate(args):
-        if arg == name:
-            return args[i + 1]
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1]
-    raise AssertionError(f"{name} not in {args}")
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
