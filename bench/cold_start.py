@@ -44,9 +44,9 @@ from types import FrameType
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]

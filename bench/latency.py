@@ -32,8 +32,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
-from inference_svc._pb.inference.v1 import inference_pb2_grpc
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -94,15 +94,15 @@ def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
 
 
 def in_process(repeats: int, tokens: int) -> dict[str, float]:
+    from inference_api.plan import Step, StepKind
     from inference_svc.config import parse_config
     from inference_svc.engine.core import Engine
     from inference_svc.engine.types import EmbedParams, GenerateParams
-    from warmup_ctl.plan import StepKind
 
     engine = Engine(parse_config(["--port", "0", "--admin-port", "0"]))
     engine.load()
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(engine.warmup("generative", StepKind.PROFILE, []))
+    loop.run_until_complete(engine.warmup(Step(StepKind.PROFILE, "generative")))
     engine.reseed(None)
     engine.mark_serving()
     e_params = EmbedParams((TEXT,), True, False, 0)
@@ -110,12 +110,12 @@ def in_process(repeats: int, tokens: int) -> dict[str, float]:
 
     async def generate() -> int:
         n = 0
-        async for chunk in engine.generate(lambda _limit: g_params):
+        async for chunk in engine.generator().generate(g_params):
             n += len(chunk.token_ids)
         return n
 
     embed = median_of(
-        lambda: loop.run_until_complete(engine.embed_texts(lambda _: e_params)), repeats
+        lambda: loop.run_until_complete(engine.embedder().embed(e_params)), repeats
     )
     rate = tokens_per_s(lambda: loop.run_until_complete(generate()), max(3, repeats // 6))
     engine.close()

@@ -1,3 +1,3 @@
 """inference_svc: a gRPC inference service for torch models, behind a warmup gate."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

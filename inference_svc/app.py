@@ -16,18 +16,19 @@ import os
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2, inference_pb2_grpc
+from inference_api.names import GATED_HEALTH_NAMES, HEALTH_LIVENESS
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import Engine
-from inference_svc.names import GATED_HEALTH_NAMES, HEALTH_LIVENESS
-from inference_svc.server import AdminServicer, InferenceServicer, warm_messages
+from inference_svc.server import AdminServicer, InferenceServicer
+from inference_svc.wire import HEALTH_NOT_SERVING as NOT_SERVING
+from inference_svc.wire import HEALTH_SERVING as SERVING
+from inference_svc.wire import PUBLIC_SERVICES, warm_messages
 
 log = logging.getLogger(__name__)
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class Service:
@@ -52,12 +53,9 @@ class Service:
             InferenceServicer(self.engine), self.public
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.public)
-        names = (
-            inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
+        reflection.enable_server_reflection(
+            (*PUBLIC_SERVICES, reflection.SERVICE_NAME), self.public
         )
-        reflection.enable_server_reflection(names, self.public)
         admin_pb2_grpc.add_WarmupAdminServicer_to_server(AdminServicer(self.engine), self.admin)
         self.port = self.public.add_insecure_port(f"{c.host}:{c.port}")
         self.admin_port = self.admin.add_insecure_port(f"{c.admin_host}:{c.admin_port}")

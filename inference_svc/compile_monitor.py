@@ -1,4 +1,4 @@
-"""Counts torch.compile events and says which model, path and shapes caused each.
+"""Counts torch.compile events and says which model, compile site and shapes caused each.
 
 Before SERVING, compiles are the point of warmup: each warmup step reports how
 many it caused. After SERVING, any compile is a cold path that reached a
@@ -8,6 +8,7 @@ request: it is counted as *late*, logged with its cause, and handed to the
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import Counter
@@ -18,10 +19,18 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 
+class Origin(enum.Enum):
+    """Who ran a compiled function: a client's request or a warmup step."""
+
+    REQUEST = "request"
+    WARMUP = "warmup"
+
+
 @dataclass(frozen=True)
 class CompileContext:
     model: str
-    path: str
+    # The compiled function and who ran it, e.g. "prefill/request", "sampler/greedy".
+    site: str
     shapes: str
 
 
@@ -32,7 +41,7 @@ class LateCompile:
 
     def describe(self) -> str:
         c = self.context
-        return f"model={c.model} path={c.path} shapes={c.shapes} compile_id={self.compile_id}"
+        return f"model={c.model} site={c.site} shapes={c.shapes} compile_id={self.compile_id}"
 
 
 class CompileMonitor:
@@ -65,11 +74,11 @@ class CompileMonitor:
             self._serving = True
 
     @contextmanager
-    def context(self, model: str, path: str, shapes: str) -> Iterator[None]:
+    def context(self, model: str, site: str, shapes: str) -> Iterator[None]:
         """Attribute compiles in this thread, inside the block, to this cause."""
         self.install()  # cheap; re-registers after a torch._dynamo.reset() dropped the hook
         prev = getattr(self._local, "ctx", None)
-        self._local.ctx = CompileContext(model, path, shapes)
+        self._local.ctx = CompileContext(model, site, shapes)
         try:
             yield
         finally:

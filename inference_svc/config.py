@@ -7,14 +7,22 @@ parse time, never at import) supplies the default.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference_svc.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
-from warmup_ctl.plan import CompilationMode, LogprobsMode
+from inference_api.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
+from inference_api.plan import CompilationMode, LogprobsMode
 
 ENV_PREFIX = "INFERENCE_SVC_"
+
+
+class LateCompilePolicy(enum.Enum):
+    """What a compile after SERVING (a cold path reached by a request) does to health."""
+
+    WARN = "warn"  # logged and counted (Info, late_compile_events)
+    FAIL = "fail"  # also turns health NOT_SERVING
 
 
 @dataclass(frozen=True)
@@ -40,7 +48,7 @@ class ServiceConfig:
     kv_cache_tokens: int | None = None  # explicit KV-cache size; None = sized by PROFILE
     kv_cache_memory_fraction: float = 0.5  # share of free memory PROFILE may give the cache
     max_queue: int = 256  # queued requests per model before RESOURCE_EXHAUSTED
-    on_late_compile: str = "warn"  # warn | fail: a compile after SERVING fails health
+    on_late_compile: LateCompilePolicy = LateCompilePolicy.WARN
     grace_period: float = 10.0  # seconds in-flight calls get on SIGTERM
     log_level: str = "info"
 
@@ -113,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-queue", type=int, default=_env("max_queue", d.max_queue))
     add(
         "--on-late-compile",
-        choices=["warn", "fail"],
-        default=_env("on_late_compile", d.on_late_compile),
+        choices=[p.value for p in LateCompilePolicy],
+        default=_env("on_late_compile", d.on_late_compile.value),
     )
     add("--grace-period", type=float, default=_env("grace_period", d.grace_period))
     add("--log-level", default=_env("log_level", d.log_level))
@@ -151,7 +159,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_cache_tokens=None if a.kv_cache_tokens in (None, "") else int(a.kv_cache_tokens),
         kv_cache_memory_fraction=float(a.kv_cache_memory_fraction),
         max_queue=int(a.max_queue),
-        on_late_compile=a.on_late_compile,
+        on_late_compile=LateCompilePolicy(a.on_late_compile),
         grace_period=float(a.grace_period),
         log_level=a.log_level,
     )

@@ -1,6 +1,6 @@
 """The sampler: a pure function of (logits, SamplingMetadata), with distinct paths.
 
-Paths (each warmed separately, see warmup_ctl.plan.sampler_paths):
+Paths (each warmed separately, see inference_api.plan.sampler_paths):
 - greedy: argmax of the raw logits;
 - random, unseeded: temperature / top-k / top-p, then the exponential race
   ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn for the whole batch at once
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inference_api.plan import CompilationMode, LogprobsMode
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.models.compile import compile_fn
-from warmup_ctl.plan import CompilationMode, LogprobsMode
 
 # Most alternatives a request may ask for; always computed at this width so the
 # number asked for never changes a compiled shape.
@@ -110,8 +110,8 @@ class Sampler:
             tokens = greedy = self._greedy(logits)
         processed = logits
         if not md.all_greedy:
-            path = "sampler/seeded" if md.generators else "sampler/random"
-            with ctx(self.model, path, shapes):
+            site = "sampler/seeded" if md.generators else "sampler/random"
+            with ctx(self.model, site, shapes):
                 processed = self._process(logits, md.temperature, md.top_k, md.top_p)
                 sampled = self._race(processed, self._noise(processed, md))
             tokens = torch.where(md.temperature > 0, sampled, greedy)

@@ -1,117 +1,238 @@
-"""Conversions between the engine's domain types and the protobuf messages."""
+"""Protobuf <-> the engine's domain types: the service's only module that touches messages.
+
+Requests are decoded into domain params, every field checked against the limits the
+engine exposes (InvalidArgument names the field and the limit); every reply is encoded
+here. Admin messages go through the contract's one conversion (inference_api.convert),
+whose ConversionError is answered as INVALID_ARGUMENT.
+"""
 
 from __future__ import annotations
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
-from inference_svc.engine.core import EMBED_NAME, LM_NAME, Engine
-from inference_svc.engine.warmup import Bucket, StepReport
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from grpc_health.v1 import health_pb2
+
+from inference_api import convert
+from inference_api.names import INFERENCE_SERVICE
+from inference_api.plan import Step
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
+from inference_svc.engine.runtime import StepReport
+from inference_svc.engine.types import (
+    CHAT_ROLES,
+    DEFAULT_MAX_TOKENS,
+    MAX_STOP_STRINGS,
+    EmbedParams,
+    EmbedResult,
+    FinishReason,
+    GenChunk,
+    GenerateParams,
+    RuntimeInfo,
+    TokenLogprob,
+)
 from inference_svc.errors import InvalidArgument
-from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, SamplerPath, StepKind
+from inference_svc.limits import EmbedLimits, GenLimits
+from inference_svc.sampling import MAX_LOGPROBS
 
-MODE_PB = {
-    CompilationMode.NONE: pb.COMPILATION_MODE_NONE,
-    CompilationMode.DEFAULT: pb.COMPILATION_MODE_DEFAULT,
-    CompilationMode.MAX_AUTOTUNE: pb.COMPILATION_MODE_MAX_AUTOTUNE,
+if TYPE_CHECKING:
+    from inference_svc.engine.core import Engine
+
+HEALTH_SERVING = health_pb2.HealthCheckResponse.SERVING
+HEALTH_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+PUBLIC_SERVICES = (INFERENCE_SERVICE, HEALTH_SERVICE)
+FINISH_PB = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
 }
-KIND_PB = {
-    ModelKind.EMBEDDING: pb.MODEL_KIND_EMBEDDING,
-    ModelKind.GENERATIVE: pb.MODEL_KIND_GENERATIVE,
-}
-LOGPROBS_PB = {
-    LogprobsMode.RAW: apb.LOGPROBS_MODE_RAW,
-    LogprobsMode.PROCESSED: apb.LOGPROBS_MODE_PROCESSED,
-}
-STEP_PB = {
-    StepKind.PROFILE: apb.WARMUP_STEP_KIND_PROFILE,
-    StepKind.COMPILE: apb.WARMUP_STEP_KIND_COMPILE,
-    StepKind.SAMPLER: apb.WARMUP_STEP_KIND_SAMPLER,
-    StepKind.RESEED: apb.WARMUP_STEP_KIND_RESEED,
-    StepKind.MARK_SERVING: apb.WARMUP_STEP_KIND_MARK_SERVING,
-}
-PATH_PB = {
-    SamplerPath.GREEDY: apb.SAMPLER_PATH_GREEDY,
-    SamplerPath.RANDOM: apb.SAMPLER_PATH_RANDOM,
-    SamplerPath.SEEDED: apb.SAMPLER_PATH_SEEDED,
-    SamplerPath.LOGPROBS: apb.SAMPLER_PATH_LOGPROBS,
-}
-PHASE_PB = {"embed": apb.PHASE_EMBED, "prefill": apb.PHASE_PREFILL, "decode": apb.PHASE_DECODE}
 
 
-def step_from_pb(value: int) -> StepKind:
-    for kind, v in STEP_PB.items():
-        if v == value and kind in (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER):
-            return kind
-    raise InvalidArgument(
-        f"step: {apb.WarmupStepKind.Name(value) if value in STEP_PB.values() else value}; "
-        "Warmup runs PROFILE, COMPILE or SAMPLER (Reseed and MarkServing are their own calls)"
+# -- requests -------------------------------------------------------------------------
+def embed_params(req: pb.EmbedRequest, limits: EmbedLimits) -> EmbedParams:
+    n, most = len(req.inputs), limits.max_batch
+    if n == 0:
+        raise InvalidArgument(f"inputs: empty batch; give 1 to {most} strings")
+    if n > most:
+        raise InvalidArgument(
+            f"inputs: {n} strings; the limit is {most} per call (--embed-max-batch)"
+        )
+    for i, text in enumerate(req.inputs):
+        if not text.strip():
+            raise InvalidArgument(f"inputs[{i}]: empty string")
+    if req.dimensions > limits.dimensions:
+        raise InvalidArgument(
+            f"dimensions: {req.dimensions}; the model has {limits.dimensions} (0 keeps all)"
+        )
+    normalize = req.normalize if req.HasField("normalize") else True
+    return EmbedParams(tuple(req.inputs), normalize, req.truncate, req.dimensions)
+
+
+def generate_params(req: pb.GenerateRequest, limits: GenLimits) -> GenerateParams:
+    if req.prompt and req.messages:
+        raise InvalidArgument("prompt and messages: give one of them, not both")
+    if not req.prompt and not req.messages:
+        raise InvalidArgument("prompt: empty; give a prompt or chat messages")
+    for i, m in enumerate(req.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidArgument(
+                f"messages[{i}].role: {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+            )
+    s = req.sampling
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(f"sampling.temperature: {s.temperature}; must be >= 0")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (0.0 < top_p <= 1.0):
+        raise InvalidArgument(f"sampling.top_p: {top_p}; must be in (0, 1]")
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens <= 0:
+        raise InvalidArgument(f"sampling.max_tokens: {max_tokens}; must be at least 1")
+    if max_tokens > limits.max_new_tokens:
+        raise InvalidArgument(
+            f"sampling.max_tokens: {max_tokens}; the limit is {limits.max_new_tokens} "
+            "(--max-new-tokens)"
+        )
+    if not 0 <= s.logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument(f"sampling.logprobs: {s.logprobs}; must be 0 to {MAX_LOGPROBS}")
+    if len(s.stop) > MAX_STOP_STRINGS or any(not x for x in s.stop):
+        raise InvalidArgument(f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    return GenerateParams(
+        prompt=req.prompt,
+        messages=tuple((m.role, m.content) for m in req.messages),
+        temperature=float(s.temperature),
+        top_k=int(s.top_k),
+        top_p=float(top_p),
+        seed=int(s.seed) if s.HasField("seed") else None,
+        max_tokens=int(max_tokens),
+        stop=tuple(s.stop),
+        logprobs=int(s.logprobs),
     )
 
 
-def sampler_path_from_pb(value: int) -> SamplerPath:
-    for path, v in PATH_PB.items():
-        if v == value:
-            return path
-    raise InvalidArgument(f"sampler_paths: unknown path {value}")
+def warmup_step(req: apb.WarmupRequest) -> Step:
+    try:
+        return convert.warmup_step_from_request(req)
+    except convert.ConversionError as e:
+        raise InvalidArgument(str(e)) from e
 
 
-def bucket_pb(bucket: Bucket) -> apb.ShapeBucket:
-    phase, batch, length = bucket
-    return apb.ShapeBucket(phase=PHASE_PB[phase], batch_size=batch, seq_len=length)
+def reseed_value(req: apb.ReseedRequest) -> int | None:
+    return req.seed if req.HasField("seed") else None
 
 
-def describe_pb(engine: Engine) -> apb.DescribeResponse:
-    c = engine.config
-    out = apb.DescribeResponse(
-        boot_id=engine.boot_id,
-        seed=c.seed,
-        serving=engine.gate.serving,
-        models_loaded=engine.models_loaded,
+# -- replies ----------------------------------------------------------------------------
+def embed_response(result: EmbedResult, model: str) -> pb.EmbedResponse:
+    tokens = result.prompt_tokens
+    return pb.EmbedResponse(
+        embeddings=[pb.Embedding(values=v) for v in result.vectors],
+        usage=pb.Usage(prompt_tokens=tokens, total_tokens=tokens),
+        model=model,
     )
-    if not engine.models_loaded:
-        return out
-    for p in engine.profiles():
-        has_kv = p.has_kv_cache
-        sizing = apb.KV_CACHE_SIZING_NONE
-        kv_tokens = 0
-        if has_kv and engine.gen is not None:
-            explicit = p.kv_cache_explicit
-            sizing = apb.KV_CACHE_SIZING_EXPLICIT if explicit else apb.KV_CACHE_SIZING_AUTOMATIC
-            kv_tokens = engine.gen.model.kv_cache_tokens
-        out.models.append(
-            apb.ModelProfile(
-                name=p.name,
-                kind=KIND_PB[p.kind],
-                has_kv_cache=has_kv,
-                kv_cache_sizing=sizing,
-                kv_cache_tokens=kv_tokens,
-                compilation_mode=MODE_PB[p.compilation_mode],
-                logprobs_mode=LOGPROBS_PB[p.logprobs_mode],
-                buckets=[bucket_pb(b) for b in p.buckets],
-                compiled_buckets=[bucket_pb(b) for b in sorted(engine.compiled[p.name])],
-            )
-        )
-    for step in engine.required_steps():
-        out.required_steps.append(
-            apb.PlannedStep(
-                step=STEP_PB[step.kind],
-                model=step.model,
-                sampler_paths=[PATH_PB[x] for x in step.sampler_paths],
-                reason=step.reason,
-                done=engine.gate.is_done(step),
-            )
-        )
+
+
+def _logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        token=lp.token,
+        logprob=lp.logprob,
+        top=[pb.TopLogprob(token_id=i, token=t, logprob=v) for i, t, v in lp.top],
+    )
+
+
+def _usage(chunk: GenChunk) -> pb.Usage:
+    total = chunk.prompt_tokens + chunk.completion_tokens
+    return pb.Usage(
+        prompt_tokens=chunk.prompt_tokens,
+        completion_tokens=chunk.completion_tokens,
+        total_tokens=total,
+    )
+
+
+def generate_chunk(chunk: GenChunk) -> pb.GenerateChunk:
+    out = pb.GenerateChunk(
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        logprobs=[_logprob(lp) for lp in chunk.logprobs],
+    )
+    if chunk.finish is not None:
+        out.finish_reason = FINISH_PB[chunk.finish]
+        out.usage.CopyFrom(_usage(chunk))
     return out
 
 
-def warmup_report_pb(r: StepReport) -> apb.WarmupResponse:
+def generate_response(chunks: Sequence[GenChunk], model: str) -> pb.GenerateResponse:
+    """The unary reply: every chunk of one generation, joined."""
+    out = pb.GenerateResponse(
+        text="".join(c.text for c in chunks),
+        token_ids=[t for c in chunks for t in c.token_ids],
+        logprobs=[_logprob(lp) for c in chunks for lp in c.logprobs],
+        model=model,
+    )
+    final = chunks[-1] if chunks else None
+    if final is not None and final.finish is not None:
+        out.finish_reason = FINISH_PB[final.finish]
+        out.usage.CopyFrom(_usage(final))
+    return out
+
+
+def _model_info(i: RuntimeInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=i.name,
+        kind=convert.to_pb(i.kind),
+        dimensions=i.dimensions,
+        max_input_tokens=i.max_input_tokens,
+        max_batch_size=i.max_batch_size,
+        max_new_tokens=i.max_new_tokens,
+        has_kv_cache=i.has_kv_cache,
+        vocab_size=i.vocab_size,
+        dtype=i.dtype,
+        device=i.device,
+        compilation_mode=convert.to_pb(i.compilation_mode),
+        late_compile_events=i.late_compile_events,
+    )
+
+
+def info_response(engine: Engine, version: str) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        models=[_model_info(i) for i in engine.infos()],
+        compilation_mode=convert.to_pb(engine.config.compilation_mode),
+        late_compile_events=engine.monitor.late,
+        boot_id=engine.boot_id,
+        serving=engine.gate.healthy,
+        version=version,
+    )
+
+
+def describe_response(engine: Engine, version: str) -> apb.DescribeResponse:
+    out = apb.DescribeResponse(
+        boot_id=engine.boot_id,
+        seed=engine.config.seed,
+        serving=engine.gate.serving,
+        models_loaded=engine.models_loaded,
+        version=version,
+    )
+    if not engine.models_loaded:
+        return out
+    for runtime in engine.runtimes.values():
+        compiled = sorted(runtime.compiled, key=lambda b: (b.phase.value, b.batch_size, b.seq_len))
+        profile = convert.profile_to_pb(runtime.profile(), runtime.kv_cache_tokens, compiled)
+        out.models.append(profile)
+    planned = engine.plan()
+    out.required_steps.extend(convert.step_to_pb(s, engine.gate.is_done(s)) for s in planned.steps)
+    out.skipped_steps.extend(convert.step_to_pb(s) for s in planned.skipped)
+    return out
+
+
+def warmup_response(r: StepReport) -> apb.WarmupResponse:
     return apb.WarmupResponse(
         model=r.model,
-        step=STEP_PB[r.step],
+        step=convert.to_pb(r.step),
         skipped=r.skipped,
         skip_reason=r.skip_reason,
-        shapes=[bucket_pb(b) for b in r.shapes],
-        sampler_paths=[PATH_PB[p] for p in r.paths],
+        shapes=[convert.bucket_to_pb(b) for b in r.buckets],
+        sampler_paths=[convert.to_pb(p) for p in r.sampler_paths],
         seconds=r.seconds,
         compile_events=r.compile_events,
         kv_cache_tokens=r.kv_cache_tokens,
@@ -119,49 +240,24 @@ def warmup_report_pb(r: StepReport) -> apb.WarmupResponse:
     )
 
 
-def info_pb(engine: Engine, version: str) -> pb.InfoResponse:
-    c = engine.config
-    mon = engine.monitor
-    out = pb.InfoResponse(
-        compilation_mode=MODE_PB[c.compilation_mode],
-        late_compile_events=mon.late,
-        boot_id=engine.boot_id,
-        serving=engine.gate.serving and not engine.gate.failed,
-        version=version,
-    )
-    if engine.embed is not None:
-        e = engine.embed.model
-        out.models.append(
-            pb.ModelInfo(
-                name=engine.display_names[EMBED_NAME],
-                kind=pb.MODEL_KIND_EMBEDDING,
-                dimensions=e.dimensions,
-                max_input_tokens=e.max_input_tokens,
-                max_batch_size=e.max_batch,
-                has_kv_cache=False,
-                vocab_size=e.vocab_size,
-                dtype=str(e.dtype).removeprefix("torch."),
-                device=str(e.device),
-                compilation_mode=MODE_PB[e.mode],
-                late_compile_events=mon.late_by_model[EMBED_NAME],
-            )
-        )
-    if engine.gen is not None:
-        g = engine.gen.model
-        out.models.append(
-            pb.ModelInfo(
-                name=engine.display_names[LM_NAME],
-                kind=pb.MODEL_KIND_GENERATIVE,
-                dimensions=g.lm.shape.hidden_size,
-                max_input_tokens=g.limits.max_input_tokens,
-                max_batch_size=max(g.cache_rows, 0) or g.limits.max_batch,
-                max_new_tokens=g.limits.max_new_tokens,
-                has_kv_cache=True,
-                vocab_size=g.lm.shape.vocab_size,
-                dtype=str(g.dtype).removeprefix("torch."),
-                device=str(g.device),
-                compilation_mode=MODE_PB[g.mode],
-                late_compile_events=mon.late_by_model[LM_NAME],
-            )
-        )
-    return out
+def reseed_response(seed: int) -> apb.ReseedResponse:
+    return apb.ReseedResponse(seed=seed)
+
+
+def mark_serving_response(boot_id: str) -> apb.MarkServingResponse:
+    return apb.MarkServingResponse(serving=True, boot_id=boot_id)
+
+
+def warm_messages() -> None:
+    """Build, serialize and parse each message once: protobuf sets a message class up
+    lazily on its first use, and that first use should not be a client's request."""
+    samples = [
+        pb.EmbedResponse(embeddings=[pb.Embedding(values=[0.5, 1.5])], usage=pb.Usage()),
+        pb.GenerateResponse(token_ids=[1], logprobs=[pb.TokenLogprob(top=[pb.TopLogprob()])]),
+        pb.GenerateChunk(token_ids=[1], logprobs=[pb.TokenLogprob(top=[pb.TopLogprob()])]),
+        pb.EmbedRequest(inputs=["x"], normalize=True),
+        pb.GenerateRequest(messages=[pb.ChatMessage()], sampling=pb.SamplingParams(seed=1)),
+        pb.InfoResponse(models=[pb.ModelInfo()]),
+    ]
+    for msg in samples:
+        type(msg).FromString(msg.SerializeToString())

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 
 WARMUP_KINDS = (
     apb.WARMUP_STEP_KIND_PROFILE,

@@ -21,9 +21,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inference_svc import cli
-from inference_svc._pb.inference.v1 import inference_pb2, inference_pb2_grpc
-from inference_svc.names import HEALTH_INFERENCE, HEALTH_LIVENESS, HEALTH_OVERALL
+from inference_api.names import HEALTH_INFERENCE, HEALTH_LIVENESS, HEALTH_OVERALL
+from inference_api.stubs.inference.v1 import inference_pb2, inference_pb2_grpc
+from inference_cli import cli
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -129,7 +129,7 @@ async def run_cli(argv: Sequence[str]) -> int:
 
 async def run_subprocess(argv: Sequence[str], env: dict[str, str] | None = None):
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "inference_svc.cli", *argv,
+        sys.executable, "-m", "inference_cli.cli", *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **(env or {})},
     )  # fmt: skip
@@ -332,6 +332,6 @@ async def test_info(served: Served, capsys) -> None:
 
 async def test_cli_does_not_import_torch() -> None:
     """The healthcheck runs every few seconds: it must stay a light process."""
-    code = "import sys, inference_svc.cli; sys.exit('torch' in sys.modules)"
+    code = "import sys, inference_cli.cli; sys.exit('torch' in sys.modules)"
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code)
     assert await asyncio.wait_for(proc.wait(), timeout=60) == 0

@@ -9,8 +9,8 @@ import grpc
 import pytest
 import torch
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import start_service, tiny_args
 
 TEXTS = ["a b c", "hello there, how are you today?", "x" * 40]

@@ -17,9 +17,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.procs import ServiceProc, free_port, sidecar
 
 pytestmark = pytest.mark.e2e

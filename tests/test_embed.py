@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.loading import resolve_embed_dir
 
 TEXTS = [

@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
 
 CHAT = [pb.ChatMessage(role="user", content="Write one sentence about the sea.")]

@@ -7,8 +7,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2 as apb
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import start_service, tiny_args
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -10,7 +10,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2
 
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import start_service, tiny_args
 
 
@@ -33,7 +33,7 @@ async def test_late_compile_is_counted_and_handled(tiny_embed_dir, tiny_lm_dir, 
         info = await c.inference.Info(pb.InfoRequest())
         assert info.late_compile_events >= 1
         assert info.models[0].late_compile_events == info.late_compile_events
-        assert "late compile after SERVING: model=embedding path=embed" in caplog.text
+        assert "late compile after SERVING: model=embedding site=embed/request" in caplog.text
         await asyncio.sleep(0.2)  # the health change is scheduled on the loop
         status = await c.status("inference.v1.Inference")
         if policy == "fail":

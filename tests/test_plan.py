@@ -1,6 +1,6 @@
 """The warmup decision table of DESIGN.md, over every combination of its inputs.
 
-`expected()` restates the table independently of warmup_ctl.plan, row by row; the
+`expected()` restates the table independently of inference_api.plan, row by row; the
 parametrised test holds plan() to it for kind x KV cache x KV sizing x mode x logprobs.
 """
 
@@ -10,11 +10,13 @@ import itertools
 
 import pytest
 
-from warmup_ctl.plan import (
+from inference_api.plan import (
+    Bucket,
     CompilationMode,
     LogprobsMode,
     ModelKind,
     ModelProfile,
+    Phase,
     Plan,
     SamplerPath,
     Step,
@@ -24,7 +26,7 @@ from warmup_ctl.plan import (
 )
 
 PER_MODEL = (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER)
-BUCKETS = (("prefill", 2, 16), ("prefill", 2, 32), ("decode", 2, 1))
+BUCKETS = (Bucket(Phase.PREFILL, 2, 16), Bucket(Phase.PREFILL, 2, 32), Bucket(Phase.DECODE, 2, 1))
 ALL_PATHS = (SamplerPath.GREEDY, SamplerPath.RANDOM, SamplerPath.SEEDED, SamplerPath.LOGPROBS)
 
 COMBOS = list(

@@ -6,7 +6,7 @@ import asyncio
 
 import grpc
 
-from inference_svc._pb.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import start_service, tiny_args
 
 

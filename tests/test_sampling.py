@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from inference_api.plan import CompilationMode, LogprobsMode
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.sampling import Sampler, SamplingMetadata, processed_logits
-from warmup_ctl.plan import CompilationMode, LogprobsMode
 
 VOCAB = 64
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "inference_svc" / "_pb"
+COMMITTED = ROOT / "inference_api" / "stubs"
 
 
 def test_committed_stubs_match_the_proto(tmp_path: Path) -> None:

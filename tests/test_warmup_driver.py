@@ -20,11 +20,22 @@ from pathlib import Path
 import grpc
 import pytest
 
-from inference_svc._pb.inference.v1 import admin_pb2
-from tests.warmup_fakes import EXPECTED, MINILM, SEED, FakeAdmin, start
-from warmup_ctl import convert, driver, plan
+import inference_api
+import warmup_ctl
+from inference_api import plan
+from inference_api.plan import (
+    CompilationMode,
+    LogprobsMode,
+    ModelKind,
+    ModelProfile,
+    SamplerPath,
+    StepKind,
+)
+from inference_api.stubs.inference.v1 import admin_pb2
+from tests.warmup_fakes import EXPECTED, MINILM, PROFILES, SEED, SMOLLM, FakeAdmin, start
+from warmup_ctl import driver
 from warmup_ctl.config import Config, parse_args
-from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, ModelProfile, StepKind
+from warmup_ctl.plan import cross_check
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,6 +83,7 @@ async def test_warms_every_step_then_reseeds_then_marks(
     assert "step 1/6: COMPILE minilm 0.0 s, 1 compile event" in log
     assert "step 4/6: SAMPLER smollm2 ..." in log
     assert "SERVING: boot" in log and "public health SERVING" in log
+    assert "decision table" not in log  # both sides plan alike: no cross-check warning
 
 
 async def test_waits_for_the_admin_port_with_backoff(caplog: pytest.LogCaptureFixture) -> None:
@@ -152,15 +164,42 @@ async def test_step_deadline(fake: Fake, caplog: pytest.LogCaptureFixture) -> No
     assert "DEADLINE_EXCEEDED" in caplog.text and "--step-timeout" in caplog.text
 
 
-async def test_runs_the_union_with_the_services_required_steps(
+@pytest.mark.parametrize(("version", "shown"), [("0.3.0", "0.3.0"), ("", "unknown")])
+async def test_runs_exactly_the_services_steps_and_warns_once_naming_both_versions(
+    fake: Fake, caplog: pytest.LogCaptureFixture, version: str, shown: str
+) -> None:
+    """A service whose decision table differs (another version): its list is what runs."""
+    f, port = fake
+    f.version = version
+    extra = plan.Step(StepKind.PROFILE, "minilm", reason="the service wants it")
+    greedy = plan.Step(StepKind.SAMPLER, "smollm2", (SamplerPath.GREEDY,), "greedy only")
+    # Drops COMPILE minilm (the first step), adds PROFILE minilm, warms one sampler path.
+    f.required = [extra, *(greedy if s.kind is StepKind.SAMPLER else s for s in f.required[1:])]
+    assert await driver.run(config(port)) == 0
+    # In the service's order; COMPILE minilm (only the sidecar's table has it) is not run.
+    assert f.warmups() == [("PROFILE", "minilm"), *EXPECTED[1:]]
+    assert "step 4/6: SAMPLER smollm2 0.0 s, 1 compile event, paths greedy: fake" in caplog.text
+    assert f.serving
+    [msg] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"service version {shown}" in msg
+    assert f"warmup_ctl {warmup_ctl.__version__}" in msg
+    assert f"inference_api {inference_api.__version__}" in msg
+    assert "running the service's steps" in msg
+    assert "PROFILE minilm" in msg and "COMPILE minilm" in msg and "SAMPLER smollm2" in msg
+
+
+async def test_plan_table_shows_the_services_skipped_steps_with_reasons(
     fake: Fake, caplog: pytest.LogCaptureFixture
 ) -> None:
     f, port = fake
-    extra = plan.Step(StepKind.PROFILE, "minilm", reason="the service wants it")
-    f.required.insert(0, extra)
+    f.skipped = [plan.Step(StepKind.PROFILE, "minilm", reason="the service's own reason")]
     assert await driver.run(config(port)) == 0
-    assert f.warmups() == [("PROFILE", "minilm"), *EXPECTED]
-    assert "the service requires PROFILE minilm, the local plan does not" in caplog.text
+    table = next(r.getMessage() for r in caplog.records if "warmup plan for boot" in r.getMessage())
+    assert "6 step(s), 1 skipped" in table
+    assert "skipped: the service's own reason" in table
+    # The table is Describe's: the sidecar's own skip reasons are not in it.
+    assert "embedding model: no sampler" not in table
+    assert [ln.split()[0] for ln in table.splitlines()[2:]] == [*"123456", "-"]
 
 
 async def test_steps_already_done_are_not_rerun(
@@ -243,27 +282,40 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
             await asyncio.sleep(0.02)
 
 
-def test_merge_unions_sampler_paths_and_warns() -> None:
+def test_cross_check_names_each_difference_with_the_services_steps() -> None:
     processed = ModelProfile(
         "smollm2", ModelKind.GENERATIVE, True, True, CompilationMode.DEFAULT,
         LogprobsMode.PROCESSED,
     )  # fmt: skip
-    local = plan.plan([processed])
-    theirs = plan.Step(StepKind.SAMPLER, "smollm2", (plan.SamplerPath.SEEDED,), "svc")
-    required = [convert.step_to_pb(s) for s in local.steps if s.kind is not StepKind.SAMPLER]
-    required.append(convert.step_to_pb(theirs))
-    todo, warnings = driver.merge(local, required, ["smollm2"])
-    assert [t.step.kind for t in todo] == [StepKind.COMPILE, StepKind.SAMPLER]
-    P = plan.SamplerPath
-    assert todo[-1].step.sampler_paths == (P.GREEDY, P.RANDOM, P.LOGPROBS, P.SEEDED)
-    assert len(warnings) == 1 and "warming both" in warnings[0]
+    seeded = plan.Step(StepKind.SAMPLER, "smollm2", (SamplerPath.SEEDED,), "svc")
+    required = [
+        plan.Step(StepKind.PROFILE, "minilm"),  # the service only
+        plan.Step(StepKind.COMPILE, "smollm2"),
+        seeded,  # other paths
+        # COMPILE minilm: the sidecar only
+    ]
+    lines = cross_check([MINILM, processed], required)
+    assert lines == [
+        "PROFILE minilm: the service requires it; the sidecar's table leaves it out",
+        "SAMPLER smollm2: the service warms paths [seeded]; "
+        "the sidecar's table [greedy, random, logprobs]",
+        "COMPILE minilm: the sidecar's table has it; the service does not require it",
+    ]
 
 
-def test_merge_warns_about_a_step_the_service_does_not_require() -> None:
-    local = plan.plan([MINILM])
-    todo, warnings = driver.merge(local, [], ["minilm"])
-    assert [(t.step.kind, t.service_only) for t in todo] == [(StepKind.COMPILE, False)]
-    assert warnings == ["the local plan has COMPILE minilm, the service does not require it"]
+def test_cross_check_is_empty_when_both_tables_agree() -> None:
+    steps = plan.plan(PROFILES).steps
+    assert cross_check(PROFILES, steps) == []
+    # RESEED and MARK_SERVING always run; listing them or not is no difference.
+    warmups = [s for s in steps if s.kind not in (StepKind.RESEED, StepKind.MARK_SERVING)]
+    assert cross_check(PROFILES, warmups) == []
+    # Neither is the order of the sampler paths.
+    flip = [plan.Step(s.kind, s.model, s.sampler_paths[::-1]) for s in warmups]
+    assert cross_check(PROFILES, flip) == []
+    assert cross_check([SMOLLM], []) == [
+        f"{k} smollm2: the sidecar's table has it; the service does not require it"
+        for k in ("PROFILE", "COMPILE", "SAMPLER")
+    ]
 
 
 def test_config_from_flags_and_environment() -> None:

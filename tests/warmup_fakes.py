@@ -18,17 +18,25 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2, admin_pb2_grpc
-from warmup_ctl import convert, plan
-from warmup_ctl.plan import CompilationMode, LogprobsMode, ModelKind, ModelProfile
+import inference_api
+from inference_api import convert, plan
+from inference_api.plan import (
+    Bucket,
+    CompilationMode,
+    LogprobsMode,
+    ModelKind,
+    ModelProfile,
+    Phase,
+)
+from inference_api.stubs.inference.v1 import admin_pb2, admin_pb2_grpc
 
 MINILM = ModelProfile(
     "minilm", ModelKind.EMBEDDING, False, False, CompilationMode.DEFAULT,
-    buckets=(("embed", 2, 16), ("embed", 8, 64)),
+    buckets=(Bucket(Phase.EMBED, 2, 16), Bucket(Phase.EMBED, 8, 64)),
 )  # fmt: skip
 SMOLLM = ModelProfile(
     "smollm2", ModelKind.GENERATIVE, True, False, CompilationMode.DEFAULT, LogprobsMode.RAW,
-    buckets=(("prefill", 2, 16), ("decode", 2, 1)),
+    buckets=(Bucket(Phase.PREFILL, 2, 16), Bucket(Phase.DECODE, 2, 1)),
 )  # fmt: skip
 PROFILES = (MINILM, SMOLLM)
 # Warmup steps plan() gives PROFILES, in order.
@@ -47,7 +55,11 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
     def __init__(self, profiles: tuple[ModelProfile, ...] = PROFILES) -> None:
         self.boot_id = uuid.uuid4().hex[:8]
         self.profiles = profiles
-        self.required = [s for s in plan.plan(profiles).steps]
+        # Planned like the real service: Describe carries both lists and the version.
+        planned = plan.plan(profiles)
+        self.required = list(planned.steps)
+        self.skipped = list(planned.skipped)
+        self.version = inference_api.__version__
         self.calls: list[tuple[str, ...]] = []
         self.loading_polls = 0  # Describe answers models_loaded=false this many times
         self.failures: dict[tuple[str, str], int] = {}  # (step, model) -> failures left; -1 always
@@ -78,6 +90,8 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
             boot_id=self.boot_id,
             models=[convert.profile_to_pb(p) for p in self.profiles] if loaded else [],
             required_steps=required if loaded else [],
+            skipped_steps=[convert.step_to_pb(s) for s in self.skipped] if loaded else [],
+            version=self.version,
             seed=SEED,
             serving=self.serving,
             models_loaded=loaded,

@@ -16,7 +16,6 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 import grpc
-from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import (
     AsyncRetrying,
@@ -27,7 +26,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from inference_svc._pb.inference.v1 import admin_pb2, admin_pb2_grpc
+from inference_api.stubs.inference.v1 import admin_pb2, admin_pb2_grpc
 from warmup_ctl.config import Config
 
 log = logging.getLogger("warmup_ctl")
@@ -179,7 +178,12 @@ class AdminClient:
             ) from e
         return resp
 
-    async def _call(self, what: str, method: grpc.aio.UnaryUnaryMultiCallable, req: Message) -> Any:
+    async def _call(
+        self,
+        what: str,
+        method: grpc.aio.UnaryUnaryMultiCallable,
+        req: admin_pb2.ReseedRequest | admin_pb2.MarkServingRequest,
+    ) -> Any:
         """A short admin call, retried on transient errors only."""
         retrying = AsyncRetrying(
             stop=stop_after_attempt(self._cfg.retries + 1),

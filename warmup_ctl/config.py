@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from inference_svc import names
+from inference_api import names
 
 ENV_ADMIN = "WARMUP_CTL_ADMIN"
 ENV_PUBLIC = "WARMUP_CTL_PUBLIC"
@@ -61,8 +61,8 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     d = Config()
     p = argparse.ArgumentParser(
         prog="warmup-ctl",
-        description="Plans and drives the warmup of inference-svc, reseeds it, marks it "
-        "SERVING, then watches for a restart and does it again.",
+        description="Drives the warmup of inference-svc (the steps its Describe requires), "
+        "reseeds it, marks it SERVING, then watches for a restart and does it again.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = p.add_argument

@@ -1,10 +1,12 @@
-"""The driver: plan, warm, reseed, mark SERVING; then watch for a restart and do it again.
+"""The driver: warm, reseed, mark SERVING; then watch for a restart and do it again.
 
 One warm cycle, for one service process (one boot id):
   1. wait for the admin port and the models (Describe, retried with backoff);
-  2. plan locally with plan.plan(), cross-check with Describe.required_steps (warn on any
-     difference, run the union: the service's list is what MarkServing enforces);
-  3. run each Warmup step (per-step deadline, retries with backoff);
+  2. take the plan from Describe: its required steps, in its order, with their done flags
+     and reasons, and its skipped steps; log them as the plan table. The service plans (its
+     MarkServing enforces that list); the sidecar re-plans only as a cross-check, and a
+     disagreement is one warning naming both versions, never a change to what runs;
+  3. run each required Warmup step not yet done (per-step deadline, retries with backoff);
   4. Reseed with Describe.seed, then MarkServing, then log SERVING.
 Then the watch: poll Describe every poll interval; a new boot id or a dropped channel
 starts a new cycle. A cycle that fails leaves the service NOT_SERVING and logs why.
@@ -19,15 +21,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from inference_svc._pb.inference.v1 import admin_pb2
-from warmup_ctl import convert, plan
+from inference_api import convert
+from inference_api.stubs.inference.v1 import admin_pb2
+from warmup_ctl import plan
 from warmup_ctl.admin import AdminClient, WarmupFailed, public_health, rpc_error
 from warmup_ctl.config import Config
-from warmup_ctl.report import Todo, format_plan, format_result, step_label
+from warmup_ctl.report import Todo, format_mismatch, format_plan, format_result, step_label
 
 log = logging.getLogger("warmup_ctl")
-
-_KIND_ORDER = {plan.StepKind.PROFILE: 0, plan.StepKind.COMPILE: 1, plan.StepKind.SAMPLER: 2}
 
 
 @dataclass(frozen=True)
@@ -40,44 +41,11 @@ class Outcome:
     reason: str = ""
 
 
-def merge(
-    local: plan.Plan, required: Sequence[admin_pb2.PlannedStep], models: Sequence[str]
-) -> tuple[list[Todo], list[str]]:
-    """The Warmup steps to run (the union of both lists, in plan order) and the differences.
-
-    RESEED and MARK_SERVING are left out: the driver always runs them, last.
-    """
-    warnings: list[str] = []
-    ours = {(s.kind, s.model): s for s in local.steps if s.kind in convert.WARMUP_RPC_STEPS}
-    theirs: dict[tuple[plan.StepKind, str], tuple[plan.Step, bool]] = {}
-    for pb in required:
-        s = convert.step_from_pb(pb)
-        if s.kind in convert.WARMUP_RPC_STEPS:
-            theirs[(s.kind, s.model)] = (s, pb.done)
-    todo: list[Todo] = []
-    for key in [*ours, *(k for k in theirs if k not in ours)]:
-        mine, (svc, done) = ours.get(key), theirs.get(key, (None, False))
-        label = f"{key[0].name} {key[1]}"
-        if mine is None:
-            assert svc is not None
-            warnings.append(f"the service requires {label}, the local plan does not: running it")
-            todo.append(Todo(svc, done, service_only=True))
-            continue
-        if svc is None:
-            warnings.append(f"the local plan has {label}, the service does not require it")
-        elif set(svc.sampler_paths) != set(mine.sampler_paths):
-            warnings.append(
-                f"{label}: the local plan warms paths [{convert.path_names(mine.sampler_paths)}], "
-                f"the service requires [{convert.path_names(svc.sampler_paths)}]: warming both"
-            )
-            extra = tuple(p for p in svc.sampler_paths if p not in mine.sampler_paths)
-            mine = plan.Step(mine.kind, mine.model, mine.sampler_paths + extra, mine.reason)
-        todo.append(Todo(mine, done))
-    order = {name: i for i, name in enumerate(models)}
-    todo.sort(
-        key=lambda t: (order.get(t.step.model, len(order)), t.step.model, _KIND_ORDER[t.step.kind])
-    )
-    return todo, warnings
+def todo_from_describe(desc: admin_pb2.DescribeResponse) -> list[Todo]:
+    """The Warmup steps Describe requires (PROFILE, COMPILE, SAMPLER), in its order, each
+    with its done flag. Raises ConversionError on a step this sidecar cannot read."""
+    todo = [Todo(convert.step_from_pb(pb), pb.done) for pb in desc.required_steps]
+    return [t for t in todo if t.step.kind in convert.WARMUP_RPC_STEPS]
 
 
 async def _run_steps(client: AdminClient, todo: Sequence[Todo]) -> None:
@@ -88,21 +56,22 @@ async def _run_steps(client: AdminClient, todo: Sequence[Todo]) -> None:
             log.info("%s already done in this process", label)
             continue
         log.info("%s ...", label)
-        resp = await client.warmup(convert.step_to_request(item.step), label)
+        resp = await client.warmup(convert.warmup_request(item.step), label)
         log.info("%s", format_result(label, resp))
 
 
 async def _warm_boot(cfg: Config, client: AdminClient, desc: admin_pb2.DescribeResponse) -> None:
-    """Plan, run, reseed and mark one loaded, not yet serving process. Raises WarmupFailed."""
+    """Run, reseed and mark one loaded, not yet serving process. Raises WarmupFailed."""
     try:
+        todo = todo_from_describe(desc)
+        skipped = convert.steps_from_pb(desc.skipped_steps)
         profiles = convert.profiles_from_describe(desc)
-        local = plan.plan(profiles)
-        todo, warnings = merge(local, desc.required_steps, [p.name for p in profiles])
     except convert.ConversionError as e:
         raise WarmupFailed(f"cannot plan from Describe: {e}") from e
-    log.info("%s", format_plan(desc.boot_id, todo, local.skipped, desc.seed, len(profiles)))
-    for w in warnings:
-        log.warning("plan differs from the service's required steps: %s", w)
+    log.info("%s", format_plan(desc.boot_id, todo, skipped, desc.seed, len(profiles)))
+    differences = plan.cross_check(profiles, [t.step for t in todo])
+    if differences:
+        log.warning("%s", format_mismatch(differences, desc.version))
 
     await _run_steps(client, todo)
     n = len(todo) + 2

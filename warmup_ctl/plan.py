@@ -1,140 +1,55 @@
-"""The warmup decision table of DESIGN.md, as a pure function.
+"""The sidecar's cross-check of the service's plan. Never changes what runs.
 
-``plan(profiles)`` turns what Describe says about each model into the ordered
-steps to run and the steps left out, each with its reason. The service uses the
-same function to know which steps MarkServing requires, so the sidecar and the
-service can never disagree about what "warm" means.
+The service plans: Describe carries its required steps, and MarkServing enforces them. The
+sidecar runs those, and only re-plans with the decision table it has installed
+(``inference_api.plan.plan``) to tell the operator when the two tables disagree, which
+means the service and the sidecar run different versions of that table.
 
-This module imports nothing but the standard library.
+Pure functions over plan values: the standard library and inference_api only.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+from inference_api import plan
+from inference_api.convert import WARMUP_RPC_STEPS, path_names
+
+Key = tuple[plan.StepKind, str]  # (step kind, model)
 
 
-class StepKind(enum.Enum):
-    PROFILE = "profile"
-    COMPILE = "compile"
-    SAMPLER = "sampler"
-    RESEED = "reseed"
-    MARK_SERVING = "mark_serving"
+def _warmup_steps(steps: Sequence[plan.Step]) -> dict[Key, plan.Step]:
+    """The Warmup RPC steps (PROFILE, COMPILE, SAMPLER) by kind and model, first one kept."""
+    out: dict[Key, plan.Step] = {}
+    for s in steps:
+        if s.kind in WARMUP_RPC_STEPS:
+            out.setdefault((s.kind, s.model), s)
+    return out
 
 
-class SamplerPath(enum.Enum):
-    GREEDY = "greedy"
-    RANDOM = "random"
-    SEEDED = "seeded"
-    LOGPROBS = "logprobs"
+def cross_check(profiles: Sequence[plan.ModelProfile], required: Sequence[plan.Step]) -> list[str]:
+    """Where this sidecar's decision table disagrees with the service's required steps.
 
-
-class ModelKind(enum.Enum):
-    EMBEDDING = "embedding"
-    GENERATIVE = "generative"
-
-
-class CompilationMode(enum.Enum):
-    NONE = "none"
-    DEFAULT = "default"
-    MAX_AUTOTUNE = "max-autotune"
-
-
-class LogprobsMode(enum.Enum):
-    RAW = "raw"
-    # Binds the sampler to its native per-row path: seeded == random there.
-    PROCESSED = "processed"
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """What Describe reports about one model."""
-
-    name: str
-    kind: ModelKind
-    has_kv_cache: bool
-    kv_cache_explicit: bool
-    compilation_mode: CompilationMode
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW
-    # (phase, batch_size, seq_len) triples the service batches into.
-    buckets: tuple[tuple[str, int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class Step:
-    kind: StepKind
-    model: str = ""
-    sampler_paths: tuple[SamplerPath, ...] = ()
-    reason: str = ""
-
-
-@dataclass(frozen=True)
-class Plan:
-    steps: tuple[Step, ...]
-    # Steps the table leaves out, with the reason for each.
-    skipped: tuple[Step, ...] = field(default=())
-
-
-def sampler_paths(logprobs_mode: LogprobsMode) -> tuple[SamplerPath, ...]:
-    """Every distinct sampler path the service can take under this logprobs mode."""
-    paths = [SamplerPath.GREEDY, SamplerPath.RANDOM]
-    if logprobs_mode is not LogprobsMode.PROCESSED:
-        paths.append(SamplerPath.SEEDED)
-    paths.append(SamplerPath.LOGPROBS)
-    return tuple(paths)
-
-
-def _model_steps(p: ModelProfile) -> tuple[list[Step], list[Step]]:
-    steps: list[Step] = []
-    skipped: list[Step] = []
-    compiled = p.compilation_mode is not CompilationMode.NONE
-    generative = p.kind is ModelKind.GENERATIVE
-
-    if not p.has_kv_cache:
-        skipped.append(Step(StepKind.PROFILE, p.name, reason="no KV cache to size"))
-    elif p.kv_cache_explicit:
-        skipped.append(Step(StepKind.PROFILE, p.name, reason="KV-cache size given explicitly"))
-    else:
-        why = "sizes the KV cache (size is automatic)"
-        if compiled:
-            why += "; compiles the largest prefill shape too"
-        steps.append(Step(StepKind.PROFILE, p.name, reason=why))
-
-    n = len(p.buckets)
-    if not compiled:
-        skipped.append(Step(StepKind.COMPILE, p.name, reason="compilation mode NONE"))
-    elif not p.has_kv_cache:
-        why = f"{n} shape buckets; no KV-cache profile run would compile this model"
-        steps.append(Step(StepKind.COMPILE, p.name, reason=why))
-    elif p.kv_cache_explicit:
-        why = f"{n} prefill/decode buckets (KV-cache size explicit: no PROFILE run compiles any)"
-        steps.append(Step(StepKind.COMPILE, p.name, reason=why))
-    else:
-        why = f"{n} prefill/decode buckets, except those PROFILE already compiled"
-        steps.append(Step(StepKind.COMPILE, p.name, reason=why))
-
-    if not generative:
-        skipped.append(Step(StepKind.SAMPLER, p.name, reason="embedding model: no sampler"))
-    elif not compiled:
-        skipped.append(Step(StepKind.SAMPLER, p.name, reason="compilation mode NONE"))
-    else:
-        paths = sampler_paths(p.logprobs_mode)
-        why = "every sampler path: " + ", ".join(x.value for x in paths)
-        if SamplerPath.SEEDED not in paths:
-            why += " (seeded left out: the processed logprobs mode binds the native path)"
-        steps.append(Step(StepKind.SAMPLER, p.name, paths, why))
-    return steps, skipped
-
-
-def plan(profiles: Sequence[ModelProfile]) -> Plan:
-    """The ordered warmup steps for these models: DESIGN.md's decision table."""
-    steps: list[Step] = []
-    skipped: list[Step] = []
-    for profile in profiles:
-        s, k = _model_steps(profile)
-        steps += s
-        skipped += k
-    steps.append(Step(StepKind.RESEED, reason="always, after the last warmup step"))
-    steps.append(Step(StepKind.MARK_SERVING, reason="always, last"))
-    return Plan(tuple(steps), tuple(skipped))
+    One line per difference: a step only one side has, or a SAMPLER step warming other
+    sampler paths. RESEED and MARK_SERVING are left out (the driver always runs them).
+    An empty list means both tables agree.
+    """
+    ours = _warmup_steps(plan.plan(profiles).steps)
+    theirs = _warmup_steps(required)
+    lines: list[str] = []
+    for key, svc in theirs.items():
+        label = f"{key[0].name} {key[1]}"
+        mine = ours.get(key)
+        if mine is None:
+            lines.append(f"{label}: the service requires it; the sidecar's table leaves it out")
+        elif set(mine.sampler_paths) != set(svc.sampler_paths):
+            lines.append(
+                f"{label}: the service warms paths [{path_names(svc.sampler_paths)}]; "
+                f"the sidecar's table [{path_names(mine.sampler_paths)}]"
+            )
+    lines += [
+        f"{kind.name} {model}: the sidecar's table has it; the service does not require it"
+        for kind, model in ours
+        if (kind, model) not in theirs
+    ]
+    return lines

@@ -1,23 +1,24 @@
-"""What the sidecar tells the operator: the plan as a table, and one line per step."""
+"""What the sidecar tells the operator: the plan as a table, one line per step, and where
+its own decision table disagrees with the service's."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inference_svc._pb.inference.v1 import admin_pb2
-from warmup_ctl import convert, plan
+import inference_api
+import warmup_ctl
+from inference_api import convert, plan
+from inference_api.stubs.inference.v1 import admin_pb2
 
 
 @dataclass(frozen=True)
 class Todo:
-    """One Warmup step to run, with where it came from."""
+    """One Warmup step the service requires, as Describe lists it."""
 
     step: plan.Step
     # The service reports that this process already ran it.
     done: bool = False
-    # In the service's required_steps but not in the local plan.
-    service_only: bool = False
 
 
 def _table(rows: Sequence[tuple[str, str, str, str]]) -> list[str]:
@@ -31,13 +32,12 @@ def _table(rows: Sequence[tuple[str, str, str, str]]) -> list[str]:
 def format_plan(
     boot_id: str, todo: Sequence[Todo], skipped: Sequence[plan.Step], seed: int, models: int
 ) -> str:
-    """The whole plan, numbered as the steps will be logged, then every skip with its reason."""
+    """The service's plan, numbered as the steps will be logged, then every skip with its
+    reason (both from Describe)."""
     n = len(todo) + 2
     rows: list[tuple[str, str, str, str]] = [("#", "step", "model", "reason")]
     for k, item in enumerate(todo, 1):
         reason = item.step.reason or "(no reason given)"
-        if item.service_only:
-            reason += " [required by the service; not in the local plan]"
         if item.done:
             reason += " [already done in this process]"
         rows.append((str(k), item.step.kind.name, item.step.model, reason))
@@ -67,3 +67,14 @@ def format_result(label: str, resp: admin_pb2.WarmupResponse) -> str:
         parts.append(f"KV cache {resp.kv_cache_tokens} tokens")
     text = f"{label} {', '.join(parts)}"
     return f"{text}: {resp.detail}" if resp.detail else text
+
+
+def format_mismatch(differences: Sequence[str], service_version: str) -> str:
+    """One warning: the two decision tables disagree, both versions, and what runs."""
+    theirs = service_version or "unknown"
+    head = (
+        f"the service's required steps differ from this sidecar's decision table "
+        f"(service version {theirs}; sidecar warmup_ctl {warmup_ctl.__version__}, "
+        f"inference_api {inference_api.__version__}): running the service's steps"
+    )
+    return "\n".join([head, *(f"  - {d}" for d in differences)])

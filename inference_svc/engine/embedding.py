@@ -1,16 +1,23 @@
-"""Embed requests: validated, tokenized, batched into padded buckets, pooled."""
+"""The embedding runtime: Embed requests tokenized, batched into padded buckets, pooled;
+and the warmup of an embedding model (COMPILE only: it has no KV cache and no sampler)."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from inference_svc.engine.types import EmbedParams, EmbedResult
+from inference_api.plan import Bucket, ModelKind, ModelProfile, Step, StepKind
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.engine import warmup
+from inference_svc.engine.runtime import StepReport
+from inference_svc.engine.types import EmbedParams, EmbedResult, RuntimeInfo
 from inference_svc.engine.worker import ModelWorker
 from inference_svc.errors import InvalidArgument
+from inference_svc.limits import EmbedLimits
 from inference_svc.models.compile import bucket_for
 from inference_svc.models.embedding import EmbeddingModel
 
@@ -30,10 +37,6 @@ class EmbedWorker(ModelWorker[EmbedJob]):
     def prepare(self, params: EmbedParams) -> EmbedJob:
         """Tokenize and check the limits; raises InvalidArgument."""
         m = self.model
-        if params.dimensions > m.dimensions:
-            raise InvalidArgument(
-                f"dimensions: {params.dimensions}; the model has {m.dimensions} (0 keeps all)"
-            )
         ids = m.tokenize(list(params.inputs))
         for i, row in enumerate(ids):
             if len(row) <= m.max_input_tokens:
@@ -85,3 +88,83 @@ class EmbedWorker(ModelWorker[EmbedJob]):
                 vecs = F.normalize(vecs, p=2, dim=-1)
             tokens = sum(len(r) for r in job.ids)
             job.future.set_result(EmbedResult(vecs.tolist(), tokens))
+
+
+class EmbeddingRuntime:
+    """An embedding model behind its worker thread (implements ModelRuntime)."""
+
+    kind = ModelKind.EMBEDDING
+
+    def __init__(
+        self, model: EmbeddingModel, display_name: str, max_queue: int, monitor: CompileMonitor
+    ) -> None:
+        self.model = model
+        self.display_name = display_name
+        self.monitor = monitor
+        self.worker = EmbedWorker(model, max_queue)
+        self._compiled: set[Bucket] = set()
+        self.limits = EmbedLimits(model.max_batch, model.max_input_tokens, model.dimensions)
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    @property
+    def compiled(self) -> frozenset[Bucket]:
+        return frozenset(self._compiled)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return 0
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        return warmup.embed_buckets(self.model)
+
+    def profile(self) -> ModelProfile:
+        return ModelProfile(
+            self.name, self.kind, False, False, self.model.mode, buckets=self.buckets()
+        )
+
+    async def warm(self, step: Step) -> StepReport:
+        if step.kind is not StepKind.COMPILE:
+            why = "no KV cache" if step.kind is StepKind.PROFILE else "no sampler"
+            return StepReport.skip(self.name, step.kind, f"embedding model: {why}: nothing to warm")
+        m = self.model
+
+        def compile_all() -> StepReport:
+            return warmup.compile_buckets(
+                self.name,
+                m.mode,
+                self.buckets(),
+                self._compiled,
+                lambda b, gen: m.dummy_run(b.batch_size, b.seq_len, gen),
+                self.monitor,
+                after=self.worker.warm_request,
+            )
+
+        return await asyncio.wrap_future(self.worker.call(compile_all))
+
+    async def embed(self, params: EmbedParams) -> EmbedResult:
+        job = self.worker.prepare(params)
+        self.worker.submit(job)
+        return await asyncio.wrap_future(job.future)
+
+    def info(self) -> RuntimeInfo:
+        m = self.model
+        return RuntimeInfo(
+            name=self.display_name,
+            kind=self.kind,
+            dimensions=m.dimensions,
+            max_input_tokens=m.max_input_tokens,
+            max_batch_size=m.max_batch,
+            max_new_tokens=0,
+            has_kv_cache=False,
+            vocab_size=m.vocab_size,
+            dtype=str(m.dtype).removeprefix("torch."),
+            device=str(m.device),
+            compilation_mode=m.mode,
+            late_compile_events=self.monitor.late_by_model[self.name],
+        )
+
+    def close(self) -> None:
+        self.worker.stop()

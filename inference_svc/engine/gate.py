@@ -1,8 +1,9 @@
-"""The serving gate: which warmup steps ran, and whether MarkServing may flip health.
+"""The serving gate: which warmup steps ran, and whether the service may be SERVING.
 
 MarkServing succeeds only when every step the plan requires ran in this process
 and a Reseed came after the last warmup step that ran: the ordering bug (reseed
-before warmup) is refused, not merely avoided.
+before warmup) is refused, not merely avoided. A failure (a late compile under
+``--on-late-compile fail``) keeps the service unhealthy for the rest of the process.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import threading
 from collections import defaultdict
 from collections.abc import Sequence
 
+from inference_api.plan import SamplerPath, Step, StepKind
 from inference_svc.errors import FailedPrecondition
-from warmup_ctl.plan import SamplerPath, Step, StepKind
 
 
 class ServingGate:
@@ -21,14 +22,37 @@ class ServingGate:
         self._done: set[tuple[StepKind, str]] = set()
         self._paths: dict[str, set[SamplerPath]] = defaultdict(set)
         self._reseeded_after_warmup = False
-        self.serving = False
-        self.failed: str | None = None  # set by --on-late-compile fail
+        self._serving = False
+        self._failure: str | None = None
 
-    def record_warmup(self, kind: StepKind, model: str, paths: Sequence[SamplerPath]) -> None:
-        """A step ran (or found nothing left to do)."""
+    @property
+    def serving(self) -> bool:
+        """MarkServing succeeded in this process."""
+        return self._serving
+
+    @property
+    def failure(self) -> str | None:
+        """Why the service turned unhealthy after SERVING; None while it has not."""
+        return self._failure
+
+    @property
+    def healthy(self) -> bool:
+        """SERVING and not failed since: what health and Info report."""
+        return self._serving and self._failure is None
+
+    def fail(self, reason: str) -> bool:
+        """Mark the service unhealthy; True when this is the first failure."""
         with self._lock:
-            self._done.add((kind, model))
-            self._paths[model].update(paths)
+            if self._failure is not None:
+                return False
+            self._failure = reason
+            return True
+
+    def record_warmup(self, step: Step) -> None:
+        """A step ran (or found nothing left to do); ``step`` holds the paths it warmed."""
+        with self._lock:
+            self._done.add((step.kind, step.model))
+            self._paths[step.model].update(step.sampler_paths)
 
     def invalidate_reseed(self) -> None:
         """A step used the model or the random state: a Reseed must follow it."""
@@ -46,7 +70,7 @@ class ServingGate:
             if step.kind is StepKind.RESEED:
                 return self._reseeded_after_warmup
             if step.kind is StepKind.MARK_SERVING:
-                return self.serving
+                return self._serving
             return (step.kind, step.model) in self._done
 
     def check(self, required: Sequence[Step]) -> None:
@@ -68,7 +92,7 @@ class ServingGate:
     def mark_serving(self, required: Sequence[Step]) -> None:
         self.check(required)
         with self._lock:
-            self.serving = True
+            self._serving = True
 
 
 def _name(step: Step) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from inference_api.plan import LogprobsMode
+from inference_svc.compile_monitor import Origin
 from inference_svc.engine.rowstate import RowState
 from inference_svc.engine.types import GenChunk, GenerateParams, TokenLogprob
 from inference_svc.engine.worker import ModelWorker
@@ -22,7 +24,6 @@ from inference_svc.errors import InvalidArgument
 from inference_svc.models.compile import bucket_for
 from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import Sampler, SamplerOutput, SamplingMetadata
-from warmup_ctl.plan import LogprobsMode
 
 
 @dataclass
@@ -100,7 +101,7 @@ class GenerateWorker(ModelWorker[GenJob]):
         md = sampling_metadata(params, m.device, self.logprobs_mode)
         states = [RowState(j.params, len(j.prompt_ids), m.eos_ids, m.detokenize) for j in jobs]
         d = m.device
-        logits = m.prefill(ids.to(d), positions.to(d), valid.to(d), "request")
+        logits = m.prefill(ids.to(d), positions.to(d), valid.to(d), Origin.REQUEST)
         attend = torch.zeros(rows, m.limits.max_seq_len, dtype=torch.bool)
         attend[:, :width] = valid
         for step in range(max(j.params.max_tokens for j in jobs)):
@@ -115,7 +116,7 @@ class GenerateWorker(ModelWorker[GenJob]):
                 (lengths + step)[:, None].to(d),
                 torch.tensor([slot], device=d),
                 attend.to(d),
-                "request",
+                Origin.REQUEST,
             )
 
     def _emit(self, jobs: list[GenJob], states: list[RowState], out: SamplerOutput) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from inference_svc.engine.types import GenChunk, GenerateParams, TokenLogprob
+from inference_svc.engine.types import FinishReason, GenChunk, GenerateParams, TokenLogprob
 
 
 class RowState:
@@ -27,7 +27,7 @@ class RowState:
         self.detokenize = detokenize
         self.ids: list[int] = []
         self.emitted = 0  # characters of text already sent
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -35,14 +35,14 @@ class RowState:
 
     def push(self, token: int, logprob: TokenLogprob | None) -> GenChunk:
         if token in self.eos_ids:
-            return self._final("eos", self.detokenize(self.ids))
+            return self._final(FinishReason.EOS, self.detokenize(self.ids))
         self.ids.append(token)
         text = self.detokenize(self.ids)
         cut = self._stop_index(text)
         if cut is not None:
-            chunk = self._final("stop", text[:cut])
+            chunk = self._final(FinishReason.STOP, text[:cut])
         elif len(self.ids) >= self.params.max_tokens:
-            chunk = self._final("length", text)
+            chunk = self._final(FinishReason.LENGTH, text)
         else:
             chunk = self._chunk(text[: len(text) - self._holdback(text)])
         chunk.token_ids = [token]
@@ -68,7 +68,7 @@ class RowState:
         self.emitted = max(self.emitted, len(visible))
         return GenChunk(text=delta)
 
-    def _final(self, reason: str, text: str) -> GenChunk:
+    def _final(self, reason: FinishReason, text: str) -> GenChunk:
         chunk = self._chunk(text)
         self.finish = reason
         chunk.finish = reason

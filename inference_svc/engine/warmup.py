@@ -7,71 +7,48 @@ ran, what it skipped and why, how long it took and the compile events it caused.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import product
 
 import torch
 
+from inference_api.plan import Bucket, CompilationMode, LogprobsMode, Phase, SamplerPath, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine.generation import random_logits, sampling_metadata
 from inference_svc.engine.memory import available_bytes, peak_during
+from inference_svc.engine.runtime import StepReport, timed
 from inference_svc.engine.types import GenerateParams
-from inference_svc.errors import FailedPrecondition, ResourceExhausted
+from inference_svc.errors import ResourceExhausted
 from inference_svc.models.embedding import EmbeddingModel
 from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import MAX_LOGPROBS, Sampler
-from warmup_ctl.plan import CompilationMode, LogprobsMode, SamplerPath, StepKind
 
 log = logging.getLogger(__name__)
-Bucket = tuple[str, int, int]  # (phase, batch, seq_len)
 WARMUP_SEED = 1234  # the warmup's own generator: the global random state is untouched
+NOTHING_COMPILES = "compilation mode NONE: nothing compiles"
 
 
-@dataclass
-class StepReport:
-    model: str
-    step: StepKind
-    skipped: bool = False
-    skip_reason: str = ""
-    shapes: list[Bucket] = field(default_factory=list)
-    paths: list[SamplerPath] = field(default_factory=list)
-    seconds: float = 0.0
-    compile_events: int = 0
-    kv_cache_tokens: int = 0
-    detail: str = ""
+def embed_buckets(m: EmbeddingModel) -> tuple[Bucket, ...]:
+    return tuple(Bucket(Phase.EMBED, b, n) for b, n in product(m.batch_buckets, m.length_buckets))
 
 
-def timed(monitor: CompileMonitor, report: StepReport, fn: Callable[[], None]) -> StepReport:
-    start = time.perf_counter()
-    with monitor.counting() as box:
-        fn()
-    report.seconds = time.perf_counter() - start
-    report.compile_events = box[0]
-    return report
-
-
-def embed_buckets(m: EmbeddingModel) -> list[Bucket]:
-    return [("embed", b, n) for b, n in product(m.batch_buckets, m.length_buckets)]
-
-
-def generative_buckets(m: GenerativeModel) -> list[Bucket]:
+def generative_buckets(m: GenerativeModel) -> tuple[Bucket, ...]:
     rows = m.usable_batch_buckets() if m.cache_rows else m.batch_buckets
-    prefill = [("prefill", b, n) for b, n in product(rows, m.prefill_buckets)]
-    return prefill + [("decode", b, 1) for b in rows]
+    prefill = [Bucket(Phase.PREFILL, b, n) for b, n in product(rows, m.prefill_buckets)]
+    return (*prefill, *(Bucket(Phase.DECODE, b, 1) for b in rows))
 
 
 def profile(
     m: GenerativeModel, fraction: float, compiled: set[Bucket], monitor: CompileMonitor
 ) -> StepReport:
     """Size the KV cache from a profile forward at the largest shape."""
-    report = StepReport(m.name, StepKind.PROFILE)
     if m.cache_rows:
-        report.skipped = True
-        report.skip_reason = f"KV cache already sized: {m.kv_cache_tokens} tokens"
+        report = StepReport.skip(
+            m.name, StepKind.PROFILE, f"KV cache already sized: {m.kv_cache_tokens} tokens"
+        )
         report.kv_cache_tokens = m.kv_cache_tokens
         return report
+    report = StepReport(m.name, StepKind.PROFILE)
     gen = torch.Generator().manual_seed(WARMUP_SEED)
 
     def run() -> None:
@@ -82,9 +59,9 @@ def profile(
             # Compile first, then measure a second run: the compiler's own memory is not
             # the forward's and would shrink the cache for nothing.
             m.dummy_prefill(batch, length, gen)
-            compiled.add(("prefill", batch, length))
+            compiled.add(Bucket(Phase.PREFILL, batch, length))
         peak = peak_during(m.device, lambda: m.dummy_prefill(batch, length, gen))
-        report.shapes.append(("prefill", batch, length))
+        report.buckets.append(Bucket(Phase.PREFILL, batch, length))
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
         fits = max(budget, 0) // (m.kv_bytes_per_token() * m.limits.max_seq_len)
         rows = min(m.limits.max_batch, fits)
@@ -107,43 +84,35 @@ def profile(
 
 
 def compile_buckets(
-    model: GenerativeModel | EmbeddingModel,
+    name: str,
+    mode: CompilationMode,
+    buckets: tuple[Bucket, ...],
     compiled: set[Bucket],
+    run_bucket: Callable[[Bucket, torch.Generator], object],
     monitor: CompileMonitor,
     after: Callable[[], None] | None = None,
 ) -> StepReport:
-    """Dummy forwards over every shape bucket not compiled yet; then ``after`` (a request
-    through the whole request path, so its eager steps are not first run by a client)."""
-    report = StepReport(model.name, StepKind.COMPILE)
-    if model.mode is CompilationMode.NONE:
-        report.skipped, report.skip_reason = True, "compilation mode NONE: nothing compiles"
-        return report
-    if isinstance(model, GenerativeModel) and not model.cache_rows:
-        raise FailedPrecondition(
-            f"COMPILE {model.name}: the KV cache is not sized yet; run PROFILE first"
-        )
-    if isinstance(model, EmbeddingModel):
-        buckets = embed_buckets(model)
-    else:
-        buckets = generative_buckets(model)
+    """A dummy forward at every bucket not compiled yet, largest first; then ``after`` (a
+    request through the whole request path, so its eager steps are not first run by a
+    client)."""
+    if mode is CompilationMode.NONE:
+        return StepReport.skip(name, StepKind.COMPILE, NOTHING_COMPILES)
     todo = [b for b in buckets if b not in compiled]
     if not todo:
-        report.skipped = True
-        report.skip_reason = f"all {len(buckets)} buckets already compiled"
-        return report
+        return StepReport.skip(
+            name, StepKind.COMPILE, f"all {len(buckets)} buckets already compiled"
+        )
+    report = StepReport(name, StepKind.COMPILE)
     gen = torch.Generator().manual_seed(WARMUP_SEED)
+    phases = list(Phase)
 
     def run() -> None:
-        for bucket in sorted(todo, key=lambda b: (b[0], -b[1], -b[2])):  # largest first
-            phase, batch, length = bucket
-            if phase == "embed":
-                model.dummy_run(batch, length, gen)
-            elif phase == "prefill":
-                model.dummy_prefill(batch, length, gen)
-            else:
-                model.dummy_decode(batch, gen)
+        for bucket in sorted(
+            todo, key=lambda b: (phases.index(b.phase), -b.batch_size, -b.seq_len)
+        ):
+            run_bucket(bucket, gen)
             compiled.add(bucket)
-            report.shapes.append(bucket)
+            report.buckets.append(bucket)
         if after is not None:
             after()
         report.detail = f"{len(todo)} of {len(buckets)} buckets run"
@@ -172,10 +141,9 @@ def warm_sampler(
     monitor: CompileMonitor,
 ) -> StepReport:
     """Sample from random logits on each path, at every batch bucket."""
-    report = StepReport(m.name, StepKind.SAMPLER)
     if m.mode is CompilationMode.NONE:
-        report.skipped, report.skip_reason = True, "compilation mode NONE: nothing compiles"
-        return report
+        return StepReport.skip(m.name, StepKind.SAMPLER, NOTHING_COMPILES)
+    report = StepReport(m.name, StepKind.SAMPLER)
     gen = torch.Generator().manual_seed(WARMUP_SEED)
     vocab = m.lm.shape.vocab_size
 
@@ -185,7 +153,7 @@ def warm_sampler(
                 params = [_warm_params(path, row) for row in range(batch)]
                 md = sampling_metadata(list(params), m.device, mode)
                 sampler(random_logits(batch, vocab, gen, m.device), md)
-            report.paths.append(path)
+            report.sampler_paths.append(path)
         report.detail = f"{len(paths)} paths x batch {list(m.usable_batch_buckets())}"
 
     return timed(monitor, report, run)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from warmup_ctl.plan import CompilationMode
+from inference_api.plan import CompilationMode
 
 _MODES = {
     CompilationMode.DEFAULT: "default",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from pathlib import Path
@@ -9,10 +10,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from inference_svc.compile_monitor import CompileMonitor
+from inference_api.plan import CompilationMode
+from inference_svc.compile_monitor import CompileMonitor, Origin
 from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
 from inference_svc.models.loading import offline
-from warmup_ctl.plan import CompilationMode
 
 log = logging.getLogger(__name__)
 
@@ -21,18 +22,21 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def pooling_mode(directory: Path) -> str:
-    """'mean' or 'cls', from sentence-transformers' 1_Pooling/config.json (mean if absent)."""
+class Pooling(enum.Enum):
+    MEAN = "mean"  # the mean of the token vectors under the attention mask
+    CLS = "cls"  # the first token's vector
+
+
+def pooling_mode(directory: Path) -> Pooling:
+    """From sentence-transformers' 1_Pooling/config.json (mean if absent)."""
     cfg = _read_json(directory / "1_Pooling" / "config.json")
-    if cfg.get("pooling_mode_cls_token"):
-        return "cls"
-    return "mean"
+    return Pooling.CLS if cfg.get("pooling_mode_cls_token") else Pooling.MEAN
 
 
 class _Pooled(torch.nn.Module):
     """Encoder + pooling as one module: the graph that gets compiled."""
 
-    def __init__(self, encoder: torch.nn.Module, mode: str) -> None:
+    def __init__(self, encoder: torch.nn.Module, mode: Pooling) -> None:
         super().__init__()
         self.encoder = encoder
         self.mode = mode
@@ -44,7 +48,7 @@ class _Pooled(torch.nn.Module):
             token_type_ids=torch.zeros_like(input_ids),
         )
         hidden = out.last_hidden_state.float()
-        if self.mode == "cls":
+        if self.mode is Pooling.CLS:
             return hidden[:, 0]
         mask = attention_mask[..., None].to(hidden.dtype)
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
@@ -91,16 +95,16 @@ class EmbeddingModel:
         return ids[: self.max_input_tokens - 1] + ids[-1:]
 
     @torch.inference_mode()
-    def forward(self, ids: Tensor, mask: Tensor, path: str = "embed") -> Tensor:
+    def forward(self, ids: Tensor, mask: Tensor, origin: Origin = Origin.REQUEST) -> Tensor:
         shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
-        with self.monitor.context(self.name, path, shapes):
+        with self.monitor.context(self.name, f"embed/{origin.value}", shapes):
             return self._forward(ids.to(self.device), mask.to(self.device)).float().cpu()
 
     def dummy_run(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
         ids = torch.randint(1000, self.vocab_size, (batch, length), generator=gen)
         mask = torch.ones(batch, length, dtype=torch.long)
         mask[0, length // 2 :] = 0  # a padded row, as real batches have
-        return self.forward(ids, mask, "warmup")
+        return self.forward(ids, mask, Origin.WARMUP)
 
 
 def load_embedding(

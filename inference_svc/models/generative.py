@@ -3,31 +3,20 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from inference_svc.compile_monitor import CompileMonitor
+from inference_api.plan import CompilationMode
+from inference_svc.compile_monitor import CompileMonitor, Origin
+from inference_svc.limits import GenLimits
 from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
-from warmup_ctl.plan import CompilationMode
 
 log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-@dataclass(frozen=True)
-class GenLimits:
-    max_batch: int = 4
-    max_input_tokens: int = 512
-    max_new_tokens: int = 512
-
-    @property
-    def max_seq_len(self) -> int:
-        return self.max_input_tokens + self.max_new_tokens
 
 
 class GenerativeModel:
@@ -121,18 +110,18 @@ class GenerativeModel:
 
     # -- forward passes ----------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, path: str) -> Tensor:
+    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, origin: Origin) -> Tensor:
         shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
-        with self.monitor.context(self.name, f"prefill/{path}", shapes):
+        with self.monitor.context(self.name, f"prefill/{origin.value}", shapes):
             keys, values = self._rows(ids.shape[0])
             return self._prefill(ids, positions, valid, keys, values)
 
     @torch.inference_mode()
     def decode(
-        self, ids: Tensor, positions: Tensor, slot: Tensor, valid: Tensor, path: str
+        self, ids: Tensor, positions: Tensor, slot: Tensor, valid: Tensor, origin: Origin
     ) -> Tensor:
         shapes = f"batch={ids.shape[0]} slot={int(slot[0])}"
-        with self.monitor.context(self.name, f"decode/{path}", shapes):
+        with self.monitor.context(self.name, f"decode/{origin.value}", shapes):
             keys, values = self._rows(ids.shape[0])
             return self._decode(ids, positions, slot, valid, keys, values)
 
@@ -147,7 +136,7 @@ class GenerativeModel:
         valid[0, : length // 2] = False  # a left-padded row, as real batches have
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         d = self.device
-        return self.prefill(ids.to(d), positions.to(d), valid.to(d), "warmup")
+        return self.prefill(ids.to(d), positions.to(d), valid.to(d), Origin.WARMUP)
 
     def dummy_decode(self, batch: int, gen: torch.Generator) -> Tensor:
         slots = self.limits.max_seq_len
@@ -157,7 +146,7 @@ class GenerativeModel:
         valid[:, : slots // 2 + 1] = True
         positions = torch.full((batch, 1), slots // 2, dtype=torch.long)
         d = self.device
-        return self.decode(ids.to(d), positions.to(d), slot.to(d), valid.to(d), "warmup")
+        return self.decode(ids.to(d), positions.to(d), slot.to(d), valid.to(d), Origin.WARMUP)
 
 
 def load_generative(

@@ -34,8 +34,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from inference_svc._pb.inference.v1 import inference_pb2, inference_pb2_grpc
-from inference_svc.names import DEFAULT_PORT, HEALTH_INFERENCE
+from inference_api.names import DEFAULT_PORT, HEALTH_INFERENCE
+from inference_api.stubs.inference.v1 import inference_pb2, inference_pb2_grpc
 
 EXIT_OK = 0
 EXIT_USAGE = 1

@@ -10,3 +10,7 @@ GATED_HEALTH_NAMES = (HEALTH_OVERALL, HEALTH_INFERENCE)
 DEFAULT_PORT = 50051
 DEFAULT_ADMIN_PORT = 50052
 DEFAULT_ADMIN_HOST = "127.0.0.1"
+
+# Fully qualified gRPC service names (reflection lists the public ones).
+INFERENCE_SERVICE = "inference.v1.Inference"
+ADMIN_SERVICE = "inference.v1.WarmupAdmin"

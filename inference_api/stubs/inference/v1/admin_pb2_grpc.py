@@ -4,7 +4,7 @@
 import grpc
 import warnings
 
-from inference_svc._pb.inference.v1 import admin_pb2 as inference_dot_v1_dot_admin__pb2
+from inference_api.stubs.inference.v1 import admin_pb2 as inference_dot_v1_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,0 +1,89 @@
+"""The model runtime interface: what the engine needs of each loaded model.
+
+A runtime owns one model, its worker thread, the shape buckets it batches into and
+the set of those already compiled. The engine routes requests and warmup steps to
+runtimes by name and knows nothing else about them: a new kind of model is a new
+runtime (one file) and a line in the factory.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.engine.types import RuntimeInfo
+
+
+@dataclass
+class StepReport:
+    """What one warmup step did for one model."""
+
+    model: str
+    step: StepKind
+    skipped: bool = False
+    skip_reason: str = ""
+    buckets: list[Bucket] = field(default_factory=list)  # shapes run (PROFILE, COMPILE)
+    sampler_paths: list[SamplerPath] = field(default_factory=list)  # paths run (SAMPLER)
+    seconds: float = 0.0
+    compile_events: int = 0
+    kv_cache_tokens: int = 0
+    detail: str = ""
+
+    @classmethod
+    def skip(cls, model: str, step: StepKind, reason: str) -> StepReport:
+        return cls(model, step, skipped=True, skip_reason=reason)
+
+    def as_step(self) -> Step:
+        """The step as the gate records it (with the sampler paths it warmed)."""
+        return Step(self.step, self.model, tuple(self.sampler_paths))
+
+
+def timed(monitor: CompileMonitor, report: StepReport, fn: Callable[[], None]) -> StepReport:
+    """Run ``fn`` and fill in the report's time and the compile events it caused."""
+    start = time.perf_counter()
+    with monitor.counting() as box:
+        fn()
+    report.seconds = time.perf_counter() - start
+    report.compile_events = box[0]
+    return report
+
+
+@runtime_checkable
+class ModelRuntime(Protocol):
+    """One loaded model, as the engine sees it."""
+
+    @property
+    def name(self) -> str:
+        """The name Describe, Warmup and the compile monitor use, e.g. "generative"."""
+
+    @property
+    def kind(self) -> ModelKind: ...
+
+    @property
+    def display_name(self) -> str:
+        """The model's own name, as responses and Info give it (e.g. "all-MiniLM-L6-v2")."""
+
+    @property
+    def compiled(self) -> frozenset[Bucket]:
+        """The buckets already compiled in this process (by PROFILE or COMPILE)."""
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens the KV cache holds; 0 without one, or before it is sized."""
+
+    def profile(self) -> ModelProfile:
+        """What the decision table needs to know about this model."""
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        """Every shape the runtime can batch a request into: what COMPILE must run."""
+
+    async def warm(self, step: Step) -> StepReport:
+        """Run one warmup step (PROFILE, COMPILE or SAMPLER) on the model's thread."""
+
+    def info(self) -> RuntimeInfo: ...
+
+    def close(self) -> None: ...

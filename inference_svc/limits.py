@@ -1,0 +1,27 @@
+"""What a request may ask of a model: the limits ``wire`` checks each request against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EmbedLimits:
+    """What an Embed request may ask of the embedding model."""
+
+    max_batch: int
+    max_input_tokens: int
+    dimensions: int
+
+
+@dataclass(frozen=True)
+class GenLimits:
+    """What a Generate request may ask of the generative model."""
+
+    max_batch: int = 4
+    max_input_tokens: int = 512
+    max_new_tokens: int = 512
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.max_input_tokens + self.max_new_tokens
