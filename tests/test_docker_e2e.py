@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from inference_svc import names
+from inference_api import names
 from tests.cmdline import flag
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from inference_svc import names
+from inference_api import names
 from tests.cmdline import flag
 
 ROOT = Path(__file__).resolve().parents[1]
