@@ -11,6 +11,7 @@ from inference_api import convert
 from inference_api.plan import StepKind
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_svc import __version__
+from inference_svc.engine.runtime import ModelRuntime
 from tests.conftest import start_service, tiny_args
 
 
@@ -18,6 +19,7 @@ async def test_describe_carries_the_services_plan_skips_and_version(tiny_embed_d
     service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
     try:
         await service.loaded()
+        assert all(isinstance(r, ModelRuntime) for r in service.engine.runtimes.values())
         described = await c.admin.Describe(apb.DescribeRequest())
         assert described.version == __version__
         required = [(s.kind, s.model) for s in convert.steps_from_pb(described.required_steps)]

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from inference_api.plan import Bucket, ModelKind, ModelProfile, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine import warmup
-from inference_svc.engine.runtime import StepReport
+from inference_svc.engine.runtime import RuntimeBase, StepReport
 from inference_svc.engine.types import EmbedParams, EmbedResult, RuntimeInfo
 from inference_svc.engine.worker import ModelWorker
 from inference_svc.errors import InvalidArgument
@@ -90,7 +90,7 @@ class EmbedWorker(ModelWorker[EmbedJob]):
             job.future.set_result(EmbedResult(vecs.tolist(), tokens))
 
 
-class EmbeddingRuntime:
+class EmbeddingRuntime(RuntimeBase):
     """An embedding model behind its worker thread (implements ModelRuntime)."""
 
     kind = ModelKind.EMBEDDING
@@ -98,20 +98,10 @@ class EmbeddingRuntime:
     def __init__(
         self, model: EmbeddingModel, display_name: str, max_queue: int, monitor: CompileMonitor
     ) -> None:
+        self.worker: EmbedWorker = EmbedWorker(model, max_queue)
+        super().__init__(model.name, display_name, self.worker, monitor)
         self.model = model
-        self.display_name = display_name
-        self.monitor = monitor
-        self.worker = EmbedWorker(model, max_queue)
-        self._compiled: set[Bucket] = set()
         self.limits = EmbedLimits(model.max_batch, model.max_input_tokens, model.dimensions)
-
-    @property
-    def name(self) -> str:
-        return self.model.name
-
-    @property
-    def compiled(self) -> frozenset[Bucket]:
-        return frozenset(self._compiled)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -165,6 +155,3 @@ class EmbeddingRuntime:
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],
         )
-
-    def close(self) -> None:
-        self.worker.stop()

@@ -25,7 +25,7 @@ from inference_api.plan import (
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine import warmup
 from inference_svc.engine.generation import GenerateWorker, GenJob
-from inference_svc.engine.runtime import StepReport
+from inference_svc.engine.runtime import RuntimeBase, StepReport
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
 from inference_svc.errors import FailedPrecondition
 from inference_svc.limits import GenLimits
@@ -39,7 +39,7 @@ class KvCachePolicy:
     memory_fraction: float  # share of free memory PROFILE may give the cache
 
 
-class GenerativeRuntime:
+class GenerativeRuntime(RuntimeBase):
     """A causal LM behind its worker thread (implements ModelRuntime)."""
 
     kind = ModelKind.GENERATIVE
@@ -53,26 +53,16 @@ class GenerativeRuntime:
         max_queue: int,
         monitor: CompileMonitor,
     ) -> None:
+        self.sampler = Sampler(model.name, model.mode, monitor)
+        self.worker: GenerateWorker = GenerateWorker(model, self.sampler, logprobs_mode, max_queue)
+        super().__init__(model.name, display_name, self.worker, monitor)
         self.model = model
-        self.display_name = display_name
         self.logprobs_mode = logprobs_mode
         self.kv_cache = kv_cache
-        self.monitor = monitor
-        self.sampler = Sampler(model.name, model.mode, monitor)
-        self.worker = GenerateWorker(model, self.sampler, logprobs_mode, max_queue)
-        self._compiled: set[Bucket] = set()
-
-    @property
-    def name(self) -> str:
-        return self.model.name
 
     @property
     def limits(self) -> GenLimits:
         return self.model.limits
-
-    @property
-    def compiled(self) -> frozenset[Bucket]:
-        return frozenset(self._compiled)
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -166,6 +156,3 @@ class GenerativeRuntime:
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],
         )
-
-    def close(self) -> None:
-        self.worker.stop()

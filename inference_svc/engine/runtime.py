@@ -16,6 +16,7 @@ from typing import Protocol, runtime_checkable
 from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine.types import RuntimeInfo
+from inference_svc.engine.worker import ModelWorker
 
 
 @dataclass
@@ -87,3 +88,27 @@ class ModelRuntime(Protocol):
     def info(self) -> RuntimeInfo: ...
 
     def close(self) -> None: ...
+
+
+class RuntimeBase:
+    """What every runtime shares: its name, display name, worker thread, compiled set."""
+
+    def __init__(
+        self, name: str, display_name: str, worker: ModelWorker, monitor: CompileMonitor
+    ) -> None:
+        self._name = name
+        self.display_name = display_name
+        self.worker = worker
+        self.monitor = monitor
+        self._compiled: set[Bucket] = set()
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def compiled(self) -> frozenset[Bucket]:
+        return frozenset(self._compiled)
+
+    def close(self) -> None:
+        self.worker.stop()
