@@ -220,7 +220,7 @@ async def test_already_serving_needs_nothing(fake: Fake, caplog: pytest.LogCaptu
     assert "already SERVING" in caplog.text
 
 
-async def test_a_profile_it_cannot_read_fails_with_the_reason(
+async def test_a_profile_it_cannot_read_only_skips_the_cross_check(
     fake: Fake, caplog: pytest.LogCaptureFixture
 ) -> None:
     f, port = fake
@@ -229,8 +229,25 @@ async def test_a_profile_it_cannot_read_fails_with_the_reason(
         resp.models[0].compilation_mode = 9  # a value this sidecar does not know
 
     f.describe_hook = unknown_mode
-    assert await driver.run(config(port)) == 1
+    assert await driver.run(config(port)) == 0
     assert "model 'minilm': compilation_mode: got unknown value 9" in caplog.text
+    assert "not cross-checked" in caplog.text
+    assert f.warmups() == EXPECTED and f.serving
+
+
+async def test_a_step_it_cannot_read_fails_with_the_reason(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    f, port = fake
+
+    def unknown_step(resp: admin_pb2.DescribeResponse) -> None:
+        if resp.required_steps:
+            resp.required_steps[0].step = 9  # a step this sidecar does not know
+
+    f.describe_hook = unknown_step
+    assert await driver.run(config(port)) == 1
+    assert "cannot read the steps Describe requires" in caplog.text
+    assert "step: got unknown value 9" in caplog.text
     assert f.names() == []
 
 
