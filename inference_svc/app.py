@@ -19,14 +19,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_api.names import GATED_HEALTH_NAMES, HEALTH_LIVENESS
-from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_api.names import (
+    ADMIN_SERVICE,
+    GATED_HEALTH_NAMES,
+    HEALTH_LIVENESS,
+    INFERENCE_SERVICE,
+)
+from inference_svc import __version__
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import Engine
+from inference_svc.metrics import Metrics
 from inference_svc.server import AdminServicer, InferenceServicer
 from inference_svc.wire import HEALTH_NOT_SERVING as NOT_SERVING
 from inference_svc.wire import HEALTH_SERVING as SERVING
-from inference_svc.wire import PUBLIC_SERVICES, warm_messages
+from inference_svc.wire import PUBLIC_SERVICES, add_servicer, warm_messages
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +42,14 @@ class Service:
         self.config = config
         self.engine = Engine(config)
         self.health = health.aio.HealthServicer()
-        self.public = grpc.aio.server()
+        limit = ("grpc.max_receive_message_length", config.max_request_bytes)
+        self.public = grpc.aio.server(options=[limit])
         self.admin = grpc.aio.server()
+        self.serving = False  # what health says for the gated names (read by metrics)
+        self.metrics = Metrics(self.engine, lambda: self.serving, __version__)
         self.port = 0
         self.admin_port = 0
+        self.metrics_port: int | None = None
         self.load_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -49,18 +59,18 @@ class Service:
         for name in GATED_HEALTH_NAMES:
             await self.health.set(name, NOT_SERVING)
         await self.health.set(HEALTH_LIVENESS, SERVING)
-        inference_pb2_grpc.add_InferenceServicer_to_server(
-            InferenceServicer(self.engine), self.public
-        )
+        add_servicer(self.public, INFERENCE_SERVICE, InferenceServicer(self.engine, self.metrics))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.public)
         reflection.enable_server_reflection(
             (*PUBLIC_SERVICES, reflection.SERVICE_NAME), self.public
         )
-        admin_pb2_grpc.add_WarmupAdminServicer_to_server(AdminServicer(self.engine), self.admin)
+        add_servicer(self.admin, ADMIN_SERVICE, AdminServicer(self.engine, self.metrics))
         self.port = self.public.add_insecure_port(f"{c.host}:{c.port}")
         self.admin_port = self.admin.add_insecure_port(f"{c.admin_host}:{c.admin_port}")
         await self.public.start()
         await self.admin.start()
+        if c.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(c.metrics_host, c.metrics_port)
         loop = asyncio.get_running_loop()
         self.engine.on_health = lambda serving, reason: loop.call_soon_threadsafe(
             lambda: loop.create_task(self._set_health(serving, reason))
@@ -81,6 +91,7 @@ class Service:
         await self.load_task
 
     async def _set_health(self, serving: bool, reason: str) -> None:
+        self.serving = serving
         for name in GATED_HEALTH_NAMES:
             await self.health.set(name, SERVING if serving else NOT_SERVING)
         log.info("health: %s (%s)", "SERVING" if serving else "NOT_SERVING", reason)
@@ -93,6 +104,7 @@ class Service:
         data = {
             "port": self.port,
             "admin_port": self.admin_port,
+            "metrics_port": self.metrics_port,
             "pid": os.getpid(),
             "boot_id": self.engine.boot_id,
         }
@@ -103,9 +115,11 @@ class Service:
         """Health NOT_SERVING at once; in-flight calls get ``grace`` seconds."""
         grace = self.config.grace_period if grace is None else grace
         log.info("shutting down: health NOT_SERVING, %.0f s grace for in-flight calls", grace)
+        self.serving = False
         await self.health.enter_graceful_shutdown()
         await self.admin.stop(0)
         await self.public.stop(grace)
         if self.load_task is not None and not self.load_task.done():
             self.load_task.cancel()
         self.engine.close()
+        self.metrics.close()

@@ -31,6 +31,8 @@ class ServiceConfig:
     port: int = DEFAULT_PORT  # public port: Inference, health, reflection (0 = any)
     admin_host: str = DEFAULT_ADMIN_HOST  # admin port binds here: loopback only by default
     admin_port: int = DEFAULT_ADMIN_PORT  # WarmupAdmin (0 = any)
+    metrics_host: str = "0.0.0.0"  # Prometheus /metrics listens here
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     port_file: str | None = None  # write {"port", "admin_port", "pid"} here once listening
     embed_model: str = "default"  # "default" (packaged MiniLM), "none", or a directory
     lm_model: str = "default"  # "default" (packaged SmolLM2), "none", or a directory
@@ -48,6 +50,8 @@ class ServiceConfig:
     kv_cache_tokens: int | None = None  # explicit KV-cache size; None = sized by PROFILE
     kv_cache_memory_fraction: float = 0.5  # share of free memory PROFILE may give the cache
     max_queue: int = 256  # queued requests per model before RESOURCE_EXHAUSTED
+    # Largest request message the public port accepts (grpc answers RESOURCE_EXHAUSTED past it).
+    max_request_bytes: int = 4 * 2**20
     on_late_compile: LateCompilePolicy = LateCompilePolicy.WARN
     grace_period: float = 10.0  # seconds in-flight calls get on SIGTERM
     log_level: str = "info"
@@ -71,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--admin-host", default=_env("admin_host", d.admin_host))
     add("--admin-port", type=int, default=_env("admin_port", d.admin_port))
     add("--port-file", default=_env("port_file", None))
+    add("--metrics-host", default=_env("metrics_host", d.metrics_host))
+    add(
+        "--metrics-port",
+        type=int,
+        default=_env("metrics_port", None),
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
+    )
     add(
         "--embed-model",
         default=_env("embed_model", d.embed_model),
@@ -120,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--max-queue", type=int, default=_env("max_queue", d.max_queue))
     add(
+        "--max-request-bytes",
+        type=int,
+        default=_env("max_request_bytes", d.max_request_bytes),
+        help="largest request message accepted on the public port (default 4 MiB)",
+    )
+    add(
         "--on-late-compile",
         choices=[p.value for p in LateCompilePolicy],
         default=_env("on_late_compile", d.on_late_compile.value),
@@ -144,6 +161,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         admin_host=a.admin_host,
         admin_port=int(a.admin_port),
         port_file=a.port_file,
+        metrics_host=a.metrics_host,
+        metrics_port=None if a.metrics_port in (None, "") else int(a.metrics_port),
         embed_model=a.embed_model,
         lm_model=a.lm_model,
         model_cache_dir=a.model_cache_dir,
@@ -159,6 +178,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         kv_cache_tokens=None if a.kv_cache_tokens in (None, "") else int(a.kv_cache_tokens),
         kv_cache_memory_fraction=float(a.kv_cache_memory_fraction),
         max_queue=int(a.max_queue),
+        max_request_bytes=int(a.max_request_bytes),
         on_late_compile=LateCompilePolicy(a.on_late_compile),
         grace_period=float(a.grace_period),
         log_level=a.log_level,

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Longest text (an Embed input, a prompt, a chat message) a request may carry, in
+# characters: far above any model's token limit (a truncating Embed still gets a long
+# document), low enough that tokenizing it stays well under a second.
+MAX_TEXT_CHARS = 100_000
+
 
 @dataclass(frozen=True)
 class EmbedLimits:

@@ -6,16 +6,19 @@ real fault: INTERNAL, with a log line.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 
-from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_svc import __version__, wire
 from inference_svc.engine.core import Engine
+from inference_svc.engine.generative import GenerativeRuntime
+from inference_svc.engine.types import GenChunk, GenerateParams
 from inference_svc.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -23,6 +26,7 @@ from inference_svc.errors import (
     ServiceError,
     Unavailable,
 )
+from inference_svc.metrics import Metrics
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -35,68 +39,106 @@ STATUS_OF: dict[type[ServiceError], grpc.StatusCode] = {
 }
 
 
-async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    """Answer the call with the status code of ``exc`` (INTERNAL for faults)."""
+def code_of(exc: BaseException) -> grpc.StatusCode:
     for kind, code in STATUS_OF.items():
         if isinstance(exc, kind):
-            await context.abort(code, str(exc))
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+async def abort_for(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    """Answer the call with the status code of ``exc`` (INTERNAL for faults)."""
+    code = code_of(exc)
+    if code is not grpc.StatusCode.INTERNAL:
+        await context.abort(code, str(exc))
     log.exception("internal error", exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort(code, f"internal error: {type(exc).__name__}: {exc}")
+
+
+class Servicer:
+    def __init__(self, engine: Engine, metrics: Metrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
 
 
 def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
+    """Decode, answer, map errors to status codes, and count and time the call."""
+
     @functools.wraps(fn)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> R:
+    async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
+        start, code = time.perf_counter(), "OK"
         try:
-            return await fn(self, request, context)
+            return await fn(self, wire.decoded(request), context)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
+            code = code_of(exc).name
             await abort_for(context, exc)
             raise AssertionError("unreachable") from exc
+        finally:
+            self.metrics.observe_call(fn.__name__, code, time.perf_counter() - start)
 
     return wrapper
 
 
-class InferenceServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
+class InferenceServicer(Servicer):
     @unary
     async def Embed(self, request: Any, context: Any) -> Any:
         runtime = self.engine.embedder()
         result = await runtime.embed(wire.embed_params(request, runtime.limits))
+        self.metrics.observe_tokens(runtime.name, result.prompt_tokens, 0)
         return wire.embed_response(result, runtime.display_name)
 
     @unary
     async def Generate(self, request: Any, context: Any) -> Any:
         runtime = self.engine.generator()
         params = wire.generate_params(request, runtime.limits)
-        chunks = [chunk async for chunk in runtime.generate(params)]
+        chunks = [chunk async for chunk in self._timed(runtime, params)]
         return wire.generate_response(chunks, runtime.display_name)
 
     async def GenerateStream(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
+        start, code = time.perf_counter(), "OK"
         try:
             runtime = self.engine.generator()
-            params = wire.generate_params(request, runtime.limits)
-            async for chunk in runtime.generate(params):
+            params = wire.generate_params(wire.decoded(request), runtime.limits)
+            async for chunk in self._timed(runtime, params):
                 yield wire.generate_chunk(chunk)
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
+            code = code_of(exc).name
             await abort_for(context, exc)
+        finally:
+            self.metrics.observe_call("GenerateStream", code, time.perf_counter() - start)
+
+    async def _timed(
+        self, runtime: GenerativeRuntime, params: GenerateParams
+    ) -> AsyncIterator[GenChunk]:
+        """The runtime's chunks, timed: time to first token, gaps between tokens, tokens."""
+        last = time.perf_counter()
+        first = True
+        async for chunk in runtime.generate(params):
+            if chunk.token_ids:
+                now = time.perf_counter()
+                (self.metrics.ttft if first else self.metrics.itl).observe(now - last)
+                first, last = False, now
+            if chunk.finish is not None:
+                m = self.metrics
+                m.observe_tokens(runtime.name, chunk.prompt_tokens, chunk.completion_tokens)
+            yield chunk
 
     @unary
     async def Info(self, request: Any, context: Any) -> Any:
         return wire.info_response(self.engine, __version__)
 
 
-class AdminServicer(admin_pb2_grpc.WarmupAdminServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
+class AdminServicer(Servicer):
     @unary
     async def Describe(self, request: Any, context: Any) -> Any:
         return wire.describe_response(self.engine, __version__)

@@ -8,14 +8,19 @@ whose ConversionError is answered as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import grpc
+from google.protobuf import message_factory
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
 from inference_api import convert
-from inference_api.names import INFERENCE_SERVICE
+from inference_api.names import ADMIN_SERVICE, INFERENCE_SERVICE
 from inference_api.plan import Step
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
@@ -23,6 +28,7 @@ from inference_svc.engine.runtime import StepReport
 from inference_svc.engine.types import (
     CHAT_ROLES,
     DEFAULT_MAX_TOKENS,
+    MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     EmbedParams,
     EmbedResult,
@@ -33,11 +39,13 @@ from inference_svc.engine.types import (
     TokenLogprob,
 )
 from inference_svc.errors import InvalidArgument
-from inference_svc.limits import EmbedLimits, GenLimits
+from inference_svc.limits import MAX_TEXT_CHARS, EmbedLimits, GenLimits
 from inference_svc.sampling import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from inference_svc.engine.core import Engine
+
+log = logging.getLogger(__name__)
 
 HEALTH_SERVING = health_pb2.HealthCheckResponse.SERVING
 HEALTH_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -50,6 +58,70 @@ FINISH_PB = {
 }
 
 
+# -- registering servicers: requests decoded here, not by grpc ----------------------------
+@dataclass(frozen=True)
+class Undecodable:
+    """What arrived instead of a request that does not parse (truncated, corrupt, bad UTF-8)."""
+
+    type_name: str
+    size: int
+    error: str
+
+
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError) as e:  # never raise here: grpc would answer UNKNOWN
+            return Undecodable(cls.DESCRIPTOR.full_name, len(data), str(e) or type(e).__name__)
+
+    return parse
+
+
+def decoded(request: Any) -> Any:
+    """The request, or InvalidArgument naming the message type when it did not parse."""
+    if isinstance(request, Undecodable):
+        log.info("undecodable %s (%d bytes): %s", request.type_name, request.size, request.error)
+        raise InvalidArgument(
+            f"request: {request.size} bytes are not a valid {request.type_name} ({request.error})"
+        )
+    return request
+
+
+def add_servicer(server: grpc.aio.Server, service: str, servicer: object) -> None:
+    """Register ``servicer``'s methods for ``service`` (e.g. inference.v1.Inference), with
+    deserializers that never fail: an undecodable request reaches the servicer as
+    Undecodable, which ``decoded`` answers with INVALID_ARGUMENT."""
+    files = {INFERENCE_SERVICE: pb.DESCRIPTOR, ADMIN_SERVICE: apb.DESCRIPTOR}
+    desc = files[service].services_by_name[service.rsplit(".", 1)[1]]
+    handlers = {}
+    for m in desc.methods:
+        make = grpc.unary_stream_rpc_method_handler
+        if not m.server_streaming:
+            make = grpc.unary_unary_rpc_method_handler
+        handlers[m.name] = make(
+            getattr(servicer, m.name),
+            request_deserializer=_deserializer(message_factory.GetMessageClass(m.input_type)),
+            response_serializer=message_factory.GetMessageClass(m.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
+def quote(value: str, limit: int = 40) -> str:
+    """A client's value for an error message: whole when short, else a prefix and the length."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
+def _check_text(field: str, text: str) -> None:
+    if len(text) > MAX_TEXT_CHARS:
+        raise InvalidArgument(
+            f"{field}: {len(text)} characters; the limit is {MAX_TEXT_CHARS} per text"
+        )
+
+
 # -- requests -------------------------------------------------------------------------
 def embed_params(req: pb.EmbedRequest, limits: EmbedLimits) -> EmbedParams:
     n, most = len(req.inputs), limits.max_batch
@@ -60,6 +132,7 @@ def embed_params(req: pb.EmbedRequest, limits: EmbedLimits) -> EmbedParams:
             f"inputs: {n} strings; the limit is {most} per call (--embed-max-batch)"
         )
     for i, text in enumerate(req.inputs):
+        _check_text(f"inputs[{i}]", text)
         if not text.strip():
             raise InvalidArgument(f"inputs[{i}]: empty string")
     if req.dimensions > limits.dimensions:
@@ -75,10 +148,12 @@ def generate_params(req: pb.GenerateRequest, limits: GenLimits) -> GenerateParam
         raise InvalidArgument("prompt and messages: give one of them, not both")
     if not req.prompt and not req.messages:
         raise InvalidArgument("prompt: empty; give a prompt or chat messages")
+    _check_text("prompt", req.prompt)
     for i, m in enumerate(req.messages):
+        _check_text(f"messages[{i}].content", m.content)
         if m.role not in CHAT_ROLES:
             raise InvalidArgument(
-                f"messages[{i}].role: {m.role!r}; expected one of {', '.join(CHAT_ROLES)}"
+                f"messages[{i}].role: {quote(m.role)}; expected one of {', '.join(CHAT_ROLES)}"
             )
     s = req.sampling
     if not math.isfinite(s.temperature) or s.temperature < 0:
@@ -96,8 +171,11 @@ def generate_params(req: pb.GenerateRequest, limits: GenLimits) -> GenerateParam
         )
     if not 0 <= s.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument(f"sampling.logprobs: {s.logprobs}; must be 0 to {MAX_LOGPROBS}")
-    if len(s.stop) > MAX_STOP_STRINGS or any(not x for x in s.stop):
-        raise InvalidArgument(f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings")
+    if len(s.stop) > MAX_STOP_STRINGS or any(not 0 < len(x) <= MAX_STOP_CHARS for x in s.stop):
+        raise InvalidArgument(
+            f"sampling.stop: at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_CHARS} characters"
+        )
     return GenerateParams(
         prompt=req.prompt,
         messages=tuple((m.role, m.content) for m in req.messages),

@@ -50,6 +50,7 @@ class Engine:
         self.gate = ServingGate()
         self.runtimes: dict[str, ModelRuntime] = {}  # by runtime name, in load order
         self.loaded: list[LoadedModel] = []
+        self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
         self.models_loaded = False
         # Called with (serving, reason) whenever the health of the service changes.
         self.on_health: Callable[[bool, str], None] = lambda serving, reason: None
@@ -94,6 +95,7 @@ class Engine:
         if self.gate.serving:
             log.info("warmup %s %s asked for after SERVING", step.kind.name, step.model)
         report = await runtime.warm(step)
+        self.warmup_reports.append(report)
         if not report.skipped:
             self.gate.invalidate_reseed()
         self.gate.record_warmup(report.as_step())

@@ -67,6 +67,11 @@ class EmbedWorker(ModelWorker[EmbedJob]):
             job.future.set_exception(exc)
 
     def run_batch(self, jobs: list[EmbedJob]) -> None:
+        # A job whose caller gave up (cancelled, deadline) is dropped here; the others are
+        # marked running, so no later cancel can race with their result.
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not jobs:
+            return
         m = self.model
         rows = [r for job in jobs for r in job.ids]
         batch = bucket_for(len(rows), m.batch_buckets)
@@ -135,7 +140,7 @@ class EmbeddingRuntime(RuntimeBase):
         return await asyncio.wrap_future(self.worker.call(compile_all))
 
     async def embed(self, params: EmbedParams) -> EmbedResult:
-        job = self.worker.prepare(params)
+        job = await self.on_text_thread(self.worker.prepare, params)
         self.worker.submit(job)
         return await asyncio.wrap_future(job.future)
 

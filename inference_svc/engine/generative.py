@@ -124,7 +124,7 @@ class GenerativeRuntime(RuntimeBase):
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenChunk]:
         """The chunks of one request, as its rows decode; the row is freed when the
         caller stops iterating (a cancelled or finished call)."""
-        ids = self.worker.prepare(params)
+        ids = await self.on_text_thread(self.worker.prepare, params)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[GenChunk | BaseException] = asyncio.Queue()
         job = GenJob(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))

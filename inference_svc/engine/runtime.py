@@ -8,15 +8,20 @@ runtime (one file) and a line in the factory.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine.types import RuntimeInfo
 from inference_svc.engine.worker import ModelWorker
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 
 @dataclass
@@ -91,7 +96,10 @@ class ModelRuntime(Protocol):
 
 
 class RuntimeBase:
-    """What every runtime shares: its name, display name, worker thread, compiled set."""
+    """What every runtime shares: its name, display name, worker thread, compiled set, and
+    a text thread: tokenizing a request runs there, never on the event loop (a long text
+    would stall every other call, health checks included), one at a time (a tokenizer is
+    not meant to be called from two threads at once)."""
 
     def __init__(
         self, name: str, display_name: str, worker: ModelWorker, monitor: CompileMonitor
@@ -101,10 +109,14 @@ class RuntimeBase:
         self.worker = worker
         self.monitor = monitor
         self._compiled: set[Bucket] = set()
+        self._text = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"text-{name}")
 
     @property
     def name(self) -> str:
         return self._name
+
+    async def on_text_thread(self, fn: Callable[[A], T], arg: A) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._text, fn, arg)
 
     @property
     def compiled(self) -> frozenset[Bucket]:
@@ -112,3 +124,4 @@ class RuntimeBase:
 
     def close(self) -> None:
         self.worker.stop()
+        self._text.shutdown(wait=False, cancel_futures=True)

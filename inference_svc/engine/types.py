@@ -13,6 +13,7 @@ from inference_api.plan import CompilationMode, ModelKind
 
 DEFAULT_MAX_TOKENS = 64
 MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 256  # each stop string is matched against the text at every step
 CHAT_ROLES = ("system", "user", "assistant")
 
 

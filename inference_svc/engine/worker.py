@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
@@ -39,6 +40,9 @@ class ModelWorker(Generic[J]):
         self.max_queue = max_queue
         self._queue: queue.Queue[J | _Call | None] = queue.Queue()
         self._pending: list[J] = []
+        # What metrics read at scrape time: batches run by their rows, rows running now.
+        self.batches_by_rows: Counter[int] = Counter()
+        self.rows_in_use = 0
         self._thread = threading.Thread(target=self._loop, name=f"model-{name}", daemon=True)
         self._thread.start()
 
@@ -107,7 +111,14 @@ class ModelWorker(Generic[J]):
             if call is not None:
                 self._run_call(call)
 
+    def depth(self) -> int:
+        """Requests waiting for the model thread (queued, or held back from a full batch)."""
+        return self._queue.qsize() + len(self._pending)
+
     def _run_jobs(self, jobs: list[J]) -> None:
+        rows = sum(self.batch_size_of(job) for job in jobs)
+        self.batches_by_rows[rows] += 1
+        self.rows_in_use = rows
         try:
             with torch.inference_mode():
                 self.run_batch(jobs)
@@ -115,6 +126,8 @@ class ModelWorker(Generic[J]):
             log.exception("model %s: batch of %d failed", self.name, len(jobs))
             for job in jobs:
                 self.fail(job, exc)
+        finally:
+            self.rows_in_use = 0
 
     @staticmethod
     def _run_call(call: _Call) -> None:
