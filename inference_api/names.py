@@ -10,6 +10,8 @@ GATED_HEALTH_NAMES = (HEALTH_OVERALL, HEALTH_INFERENCE)
 DEFAULT_PORT = 50051
 DEFAULT_ADMIN_PORT = 50052
 DEFAULT_ADMIN_HOST = "127.0.0.1"
+# Prometheus /metrics (off unless --metrics-port; compose and Kubernetes turn it on).
+DEFAULT_METRICS_PORT = 9100
 
 # Fully qualified gRPC service names (reflection lists the public ones).
 INFERENCE_SERVICE = "inference.v1.Inference"

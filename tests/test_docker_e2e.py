@@ -49,10 +49,12 @@ def seconds(duration: str) -> int:
 # --- docker-compose.yml ----------------------------------------------------------------------
 
 
-def test_only_the_public_port_is_published() -> None:
+def test_only_the_public_and_metrics_ports_are_published() -> None:
     services = compose()["services"]
     ports = services["inference"]["ports"]
-    assert [str(p).rsplit(":", 1)[-1] for p in ports] == [str(names.DEFAULT_PORT)]
+    published = [str(p).rsplit(":", 1)[-1] for p in ports]
+    assert published == [str(names.DEFAULT_PORT), str(names.DEFAULT_METRICS_PORT)]
+    assert flag(services["server"]["command"], "--metrics-port") == str(names.DEFAULT_METRICS_PORT)
     for name, service in services.items():
         for port in service.get("ports", []):
             assert str(names.DEFAULT_ADMIN_PORT) not in str(port), name

@@ -109,7 +109,8 @@ def test_admin_port_is_not_exposed() -> None:
         ports = {p["containerPort"] for p in c.get("ports", [])}
         assert names.DEFAULT_ADMIN_PORT not in ports
     assert container("inference")["ports"] == [
-        {"name": "grpc", "containerPort": names.DEFAULT_PORT, "protocol": "TCP"}
+        {"name": "grpc", "containerPort": names.DEFAULT_PORT, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": names.DEFAULT_METRICS_PORT, "protocol": "TCP"},
     ]
     service_ports = one("Service")["spec"]["ports"]
     assert [p["port"] for p in service_ports] == [names.DEFAULT_PORT]
@@ -159,3 +160,12 @@ def test_service_and_pdb_select_the_pods() -> None:
         assert selector.items() <= labels.items()
     target = one("Service")["spec"]["ports"][0]["targetPort"]
     assert target in {p["name"] for p in container("inference")["ports"]}
+
+
+def test_metrics_port_is_served_and_announced_for_scraping() -> None:
+    svc_args = container("inference")["command"]
+    assert int(flag(svc_args, "--metrics-port")) == names.DEFAULT_METRICS_PORT
+    notes = one("Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == names.DEFAULT_METRICS_PORT
+    assert notes["prometheus.io/path"] == "/metrics"

@@ -77,6 +77,8 @@ compose=(docker-compose -p "$PROJECT" -f docker-compose.yml)
 export INFERENCE_IMAGE=$IMAGE COMPILATION_MODE=$MODE
 INFERENCE_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export INFERENCE_PORT
+INFERENCE_METRICS_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export INFERENCE_METRICS_PORT
 
 teardown() {
     local rc=$?
@@ -148,10 +150,21 @@ cli() {  # cli SUBCOMMAND ARGS...: inference-cli against the published port, fro
 info_field() {  # info_field NAME: a field of the Info reply
     cli info --json | python3 -c 'import json, sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"
 }
+metric() {  # metric NAME: its samples on the published /metrics port, from the host
+    python3 - "$1" "$INFERENCE_METRICS_PORT" <<'PY'
+import sys, urllib.request
+name, port = sys.argv[1], sys.argv[2]
+text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+print(" ".join(line for line in text.splitlines() if line.startswith(name)))
+PY
+}
 check_late_compiles() {
     local late
     late=$(info_field late_compile_events)
     log "late compile events (compiles after SERVING): $late"
+    log "metrics: $(metric inference_health_serving); $(metric inference_late_compile_events_total)"
+    metric inference_health_serving | grep -q "inference_health_serving 1.0" ||
+        { log "metrics do not say SERVING"; exit 1; }
     if [ "$late" != 0 ]; then
         "${compose[@]}" logs --no-color server 2>&1 | grep -i -E "late|recompil" | tail -20 >&2 || true
         if [ "${E2E_ALLOW_LATE_COMPILES:-0}" = 1 ]; then log "WARNING: requests hit cold paths"
