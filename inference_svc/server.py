@@ -150,9 +150,10 @@ class AdminServicer(Servicer):
 
     @unary
     async def Reseed(self, request: Any, context: Any) -> Any:
-        return wire.reseed_response(self.engine.reseed(wire.reseed_value(request)))
+        seed = self.engine.reseed(wire.reseed_value(request), request.rewarm)
+        return wire.reseed_response(seed)
 
     @unary
     async def MarkServing(self, request: Any, context: Any) -> Any:
-        self.engine.mark_serving()
+        self.engine.mark_serving(request.rewarm)
         return wire.mark_serving_response(self.engine.boot_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from inference_api import convert
 from inference_api.plan import StepKind
@@ -71,6 +72,28 @@ async def test_warmup_refuses_what_it_cannot_take(tiny_embed_dir, tiny_lm_dir):
                 await c.admin.Warmup(request)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
             assert message in info.value.details()
+    finally:
+        await c.close()
+        await service.stop(0)
+
+
+async def test_a_serving_service_refuses_a_stray_reseed_or_mark(tiny_embed_dir, tiny_lm_dir):
+    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
+    try:
+        await service.loaded()
+        await c.warm_and_serve()
+        for call in (
+            c.admin.Reseed(apb.ReseedRequest(seed=9)),
+            c.admin.MarkServing(apb.MarkServingRequest()),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "the service is SERVING" in info.value.details()
+            assert "rewarm=true" in info.value.details()
+        assert (await c.admin.Reseed(apb.ReseedRequest(seed=9, rewarm=True))).seed == 9
+        assert (await c.admin.MarkServing(apb.MarkServingRequest(rewarm=True))).serving
+        assert await c.status("inference.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
     finally:
         await c.close()
         await service.stop(0)

@@ -206,15 +206,25 @@ async def test_steps_already_done_are_not_rerun(
     fake: Fake, caplog: pytest.LogCaptureFixture
 ) -> None:
     f, port = fake
-    f.done.add(("COMPILE", "minilm"))
+    f.gate.record_warmup(plan.Step(StepKind.COMPILE, "minilm"))
     assert await driver.run(config(port)) == 0
     assert f.warmups() == EXPECTED[1:]
     assert "step 1/6: COMPILE minilm already done in this process" in caplog.text
 
 
+async def test_a_lost_mark_serving_reply_is_not_a_failure(
+    fake: Fake, caplog: pytest.LogCaptureFixture
+) -> None:
+    f, port = fake
+    f.lose_mark_replies = 1  # marked, reply lost; the retry is refused: already SERVING
+    assert await driver.run(config(port)) == 0
+    assert f.names().count("MarkServing") == 2 and f.serving
+    assert "SERVING already (a reply was lost)" in caplog.text
+
+
 async def test_already_serving_needs_nothing(fake: Fake, caplog: pytest.LogCaptureFixture) -> None:
     f, port = fake
-    f.serving = True
+    f.serve_now()
     assert await driver.run(config(port)) == 0
     assert f.names() == []
     assert "already SERVING" in caplog.text

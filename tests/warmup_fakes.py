@@ -29,6 +29,8 @@ from inference_api.plan import (
     Phase,
 )
 from inference_api.stubs.inference.v1 import admin_pb2, admin_pb2_grpc
+from inference_svc.engine.gate import ServingGate
+from inference_svc.errors import FailedPrecondition
 
 MINILM = ModelProfile(
     "minilm", ModelKind.EMBEDDING, False, False, CompilationMode.DEFAULT,
@@ -65,11 +67,21 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
         self.failures: dict[tuple[str, str], int] = {}  # (step, model) -> failures left; -1 always
         self.fail_code = grpc.StatusCode.INTERNAL
         self.step_delay = 0.0
-        self.done: set[tuple[str, str]] = set()
-        self.reseeded = False
-        self.serving = False
+        self.gate = ServingGate()  # the real service's gate: its rules, no copy of them
+        self.lose_mark_replies = 0  # MarkServing marks, then answers UNAVAILABLE this often
         self.health = health.aio.HealthServicer()
         self.describe_hook: Callable[[admin_pb2.DescribeResponse], None] = lambda resp: None
+
+    @property
+    def serving(self) -> bool:
+        return self.gate.serving
+
+    def serve_now(self) -> None:
+        """Bring the gate to SERVING as a completed warmup would."""
+        for step in self.required:
+            self.gate.record_warmup(step)
+        self.gate.record_reseed()
+        self.gate.mark_serving(self.required)
 
     def warmups(self) -> list[tuple[str, str]]:
         return [(c[1], c[2]) for c in self.calls if c[0] == "Warmup"]
@@ -83,9 +95,7 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
         self.calls.append(("Describe",))
         loaded = self.loading_polls <= 0
         self.loading_polls -= 1
-        required = [
-            convert.step_to_pb(s, done=(s.kind.name, s.model) in self.done) for s in self.required
-        ]
+        required = [convert.step_to_pb(s, done=self.gate.is_done(s)) for s in self.required]
         resp = admin_pb2.DescribeResponse(
             boot_id=self.boot_id,
             models=[convert.profile_to_pb(p) for p in self.profiles] if loaded else [],
@@ -109,8 +119,8 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
         if left:
             self.failures[key] = left - 1 if left > 0 else left
             await context.abort(self.fail_code, f"injected failure of {key[0]} {key[1]}")
-        self.done.add(key)
-        self.reseeded = False
+        self.gate.invalidate_reseed()
+        self.gate.record_warmup(convert.warmup_step_from_request(request))
         return admin_pb2.WarmupResponse(
             model=request.model, step=request.step, seconds=0.01, compile_events=1,
             sampler_paths=request.sampler_paths, detail="fake",
@@ -120,23 +130,26 @@ class FakeAdmin(admin_pb2_grpc.WarmupAdminServicer):
         self, request: admin_pb2.ReseedRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.ReseedResponse:
         self.calls.append(("Reseed", str(request.seed)))
-        self.reseeded = True
+        try:
+            self.gate.check_rewarm("Reseed", request.rewarm)
+        except FailedPrecondition as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        self.gate.record_reseed()
         return admin_pb2.ReseedResponse(seed=request.seed)
 
     async def MarkServing(
         self, request: admin_pb2.MarkServingRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.MarkServingResponse:
         self.calls.append(("MarkServing",))
-        missing = [
-            f"{s.kind.name} {s.model}"
-            for s in self.required
-            if s.kind in convert.WARMUP_RPC_STEPS and (s.kind.name, s.model) not in self.done
-        ]
-        if missing or not self.reseeded:
-            why = f"missing steps {missing}" if missing else "no Reseed after the last Warmup"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-        self.serving = True
+        try:  # the real service's gate: its rules, not a copy of them
+            self.gate.check_rewarm("MarkServing", request.rewarm)
+            self.gate.mark_serving(self.required)
+        except FailedPrecondition as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        if self.lose_mark_replies > 0:  # marked, but the reply never reaches the caller
+            self.lose_mark_replies -= 1
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: reply lost")
         return admin_pb2.MarkServingResponse(serving=True, boot_id=self.boot_id)
 
 

@@ -46,7 +46,9 @@ def generate(out: Path) -> list[Path]:
         if path.suffix not in (".py", ".pyi"):
             continue
         text = _IMPORT.sub(f"from {PACKAGE}.inference.v1 import", path.read_text())
-        path.write_text(_HEADER + text)
+        if not text.startswith(_HEADER):  # protoc rewrote it (an __init__.py it did not)
+            text = _HEADER + text
+        path.write_text(text)
         written.append(path)
     for pkg in {out, *(p.parent for p in written)}:
         init = pkg / "__init__.py"

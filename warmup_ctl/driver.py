@@ -74,7 +74,7 @@ async def _warm_boot(cfg: Config, client: AdminClient, desc: admin_pb2.DescribeR
     n = len(todo) + 2
     reseeded = await client.reseed(desc.seed)
     log.info("step %d/%d: RESEED seed %d", n - 1, n, reseeded.seed)
-    marked = await client.mark_serving()
+    marked = await _mark_serving(client, desc.boot_id)
     if marked.boot_id and marked.boot_id != desc.boot_id:
         raise WarmupFailed(
             f"the service restarted during warmup (boot {desc.boot_id} -> {marked.boot_id})"
@@ -82,6 +82,20 @@ async def _warm_boot(cfg: Config, client: AdminClient, desc: admin_pb2.DescribeR
     if not marked.serving:
         raise WarmupFailed("MarkServing answered serving=false")
     log.info("step %d/%d: MARK_SERVING done", n, n)
+
+
+async def _mark_serving(client: AdminClient, boot_id: str) -> admin_pb2.MarkServingResponse:
+    """MarkServing; when it is refused because an attempt whose reply was lost already
+    marked this boot (the service refuses a second MarkServing on a SERVING service), ask
+    Describe and take that as done."""
+    try:
+        return await client.mark_serving()
+    except WarmupFailed:
+        desc = await client.describe()
+        if desc.boot_id != boot_id or not desc.serving:
+            raise
+        log.info("MarkServing: boot %s is SERVING already (a reply was lost)", boot_id)
+        return admin_pb2.MarkServingResponse(serving=True, boot_id=boot_id)
 
 
 def _cross_check(desc: admin_pb2.DescribeResponse, todo: Sequence[Todo]) -> None:

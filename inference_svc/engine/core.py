@@ -109,7 +109,13 @@ class Engine:
         )
         return report
 
-    def reseed(self, seed: int | None) -> int:
+    def _refuse_unless_rewarm(self, call: str, rewarm: bool) -> None:
+        self.gate.check_rewarm(call, rewarm)
+        if self.gate.serving:
+            log.warning("%s on a SERVING service (rewarm=true)", call)
+
+    def reseed(self, seed: int | None, rewarm: bool = False) -> int:
+        self._refuse_unless_rewarm("Reseed", rewarm)
         value = self.config.seed if seed is None else seed
         self._seed(value)
         self.gate.record_reseed()
@@ -122,8 +128,9 @@ class Engine:
         random.seed(seed)
         np.random.seed(seed % 2**32)
 
-    def mark_serving(self) -> None:
+    def mark_serving(self, rewarm: bool = False) -> None:
         self._require_loaded()
+        self._refuse_unless_rewarm("MarkServing", rewarm)
         self.gate.mark_serving(self.required_steps())
         self.monitor.mark_serving()
         log.info("health: SERVING (boot %s)", self.boot_id)

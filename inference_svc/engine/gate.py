@@ -89,6 +89,14 @@ class ServingGate:
                 "(call Reseed after the last Warmup, then MarkServing)"
             )
 
+    def check_rewarm(self, call: str, rewarm: bool) -> None:
+        """Reseed and MarkServing on a SERVING service only when the call says it re-warms."""
+        if self._serving and not rewarm:
+            raise FailedPrecondition(
+                f"{call} refused: the service is SERVING, and a stray {call} would change a "
+                "live service; set rewarm=true to re-warm on purpose"
+            )
+
     def mark_serving(self, required: Sequence[Step]) -> None:
         self.check(required)
         with self._lock:

@@ -173,10 +173,12 @@ class WarmupResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., step: _Optional[_Union[WarmupStepKind, str]] = ..., skipped: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., shapes: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., sampler_paths: _Optional[_Iterable[_Union[SamplerPath, str]]] = ..., seconds: _Optional[float] = ..., compile_events: _Optional[int] = ..., kv_cache_tokens: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ReseedRequest(_message.Message):
-    __slots__ = ("seed",)
+    __slots__ = ("seed", "rewarm")
     SEED_FIELD_NUMBER: _ClassVar[int]
+    REWARM_FIELD_NUMBER: _ClassVar[int]
     seed: int
-    def __init__(self, seed: _Optional[int] = ...) -> None: ...
+    rewarm: bool
+    def __init__(self, seed: _Optional[int] = ..., rewarm: _Optional[bool] = ...) -> None: ...
 
 class ReseedResponse(_message.Message):
     __slots__ = ("seed",)
@@ -185,8 +187,10 @@ class ReseedResponse(_message.Message):
     def __init__(self, seed: _Optional[int] = ...) -> None: ...
 
 class MarkServingRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("rewarm",)
+    REWARM_FIELD_NUMBER: _ClassVar[int]
+    rewarm: bool
+    def __init__(self, rewarm: _Optional[bool] = ...) -> None: ...
 
 class MarkServingResponse(_message.Message):
     __slots__ = ("serving", "boot_id")
