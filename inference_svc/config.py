@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,88 +62,89 @@ def _env(name: str, default: object) -> object:
     return os.environ.get(ENV_PREFIX + name.upper(), default)
 
 
+def _flag(p: argparse.ArgumentParser, name: str, default: object, text: str, **kw: object) -> None:
+    """A flag whose default comes from INFERENCE_SVC_<NAME>; its help line says both."""
+    dest = name.removeprefix("--").replace("-", "_")
+    env = ENV_PREFIX + dest.upper()
+    shown = (
+        "off" if default is None else (default.value if isinstance(default, enum.Enum) else default)
+    )
+    value = default.value if isinstance(default, enum.Enum) else default
+    p.add_argument(
+        name, default=_env(dest, value), help=f"{text} (default: {shown!s}; env {env})", **kw
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = ServiceConfig()
     p = argparse.ArgumentParser(
         prog="inference-svc",
-        description="gRPC inference service (Embed, Generate) behind a warmup health gate. "
-        f"Each flag's default can be set by the environment variable {ENV_PREFIX}<FLAG>, "
-        f"e.g. {ENV_PREFIX}COMPILATION_MODE=default.",
+        description="gRPC inference service (Embed, Generate) behind a warmup health gate: "
+        "NOT_SERVING until warmup-ctl has run the warmup steps Describe requires. Each "
+        "flag's default can also be set by the environment variable named beside it.",
     )
-    add = p.add_argument
-    add("--host", default=_env("host", d.host))
-    add("--port", type=int, default=_env("port", d.port))
-    add("--admin-host", default=_env("admin_host", d.admin_host))
-    add("--admin-port", type=int, default=_env("admin_port", d.admin_port))
-    add("--port-file", default=_env("port_file", None))
-    add("--metrics-host", default=_env("metrics_host", d.metrics_host))
-    add(
-        "--metrics-port",
-        type=int,
-        default=_env("metrics_port", None),
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off; 0 = any port)",
-    )
-    add(
-        "--embed-model",
-        default=_env("embed_model", d.embed_model),
-        help="'default' (all-MiniLM-L6-v2), 'none', or a local model directory",
-    )
-    add(
-        "--lm-model",
-        default=_env("lm_model", d.lm_model),
-        help="'default' (SmolLM2-135M-Instruct), 'none', or a local model directory",
-    )
-    add(
-        "--model-cache-dir",
-        default=_env("model_cache_dir", d.model_cache_dir),
-        help="where converted GGUF models are kept between starts ('' = no cache)",
-    )
-    add(
+    f = functools.partial(_flag, p)
+    f("--host", d.host, "public interface (Inference, grpc.health.v1, reflection)")
+    f("--port", d.port, "public gRPC port; 0 picks a free one", type=int)
+    f("--admin-host", d.admin_host, "WarmupAdmin interface: keep it loopback")
+    f("--admin-port", d.admin_port, "WarmupAdmin port; 0 picks a free one", type=int)
+    f("--metrics-host", d.metrics_host, "Prometheus /metrics interface")
+    f("--metrics-port", d.metrics_port, "Prometheus /metrics port; 0 picks one", type=int)
+    f("--port-file", d.port_file, "write the ports, pid and boot id here as JSON once listening")
+    f("--embed-model", d.embed_model, "'default' (all-MiniLM-L6-v2), 'none' or a model directory")
+    f("--lm-model", d.lm_model, "'default' (SmolLM2-135M-Instruct), 'none' or a model directory")
+    f("--model-cache-dir", d.model_cache_dir, "converted GGUF models kept here ('' = no cache)")
+    f(
         "--compilation-mode",
+        d.compilation_mode,
+        "none (eager) or a torch.compile mode",
         choices=[m.value for m in CompilationMode],
-        default=_env("compilation_mode", d.compilation_mode.value),
     )
-    add(
+    f(
         "--logprobs-mode",
+        d.logprobs_mode,
+        "logprobs of the raw logits or of the processed distribution",
         choices=[m.value for m in LogprobsMode],
-        default=_env("logprobs_mode", d.logprobs_mode.value),
     )
-    add("--seed", type=int, default=_env("seed", d.seed))
-    add("--device", default=_env("device", d.device))
-    add(
+    f("--seed", d.seed, "random state at start; the seed Describe gives to Reseed", type=int)
+    f("--device", d.device, "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    f(
         "--dtype",
+        d.dtype,
+        "auto: bfloat16 on cuda, float32 on cpu",
         choices=["auto", "float32", "bfloat16", "float16"],
-        default=_env("dtype", d.dtype),
     )
-    add("--embed-max-batch", type=int, default=_env("embed_max_batch", d.embed_max_batch))
-    add("--gen-max-batch", type=int, default=_env("gen_max_batch", d.gen_max_batch))
-    add("--max-input-tokens", type=int, default=_env("max_input_tokens", d.max_input_tokens))
-    add("--max-new-tokens", type=int, default=_env("max_new_tokens", d.max_new_tokens))
-    add(
+    f("--embed-max-batch", d.embed_max_batch, "most inputs per Embed batch", type=int)
+    f("--gen-max-batch", d.gen_max_batch, "most sequences decoded together", type=int)
+    f("--max-input-tokens", d.max_input_tokens, "longest Generate prompt, in tokens", type=int)
+    f("--max-new-tokens", d.max_new_tokens, "largest max_tokens a request may ask", type=int)
+    f(
         "--kv-cache-tokens",
+        d.kv_cache_tokens,
+        "explicit KV-cache size in tokens (off: the PROFILE warmup step sizes it)",
         type=int,
-        default=_env("kv_cache_tokens", None),
-        help="explicit KV-cache size in tokens (default: sized by the PROFILE warmup step)",
     )
-    add(
+    f(
         "--kv-cache-memory-fraction",
+        d.kv_cache_memory_fraction,
+        "share of free memory PROFILE may give the KV cache",
         type=float,
-        default=_env("kv_cache_memory_fraction", d.kv_cache_memory_fraction),
     )
-    add("--max-queue", type=int, default=_env("max_queue", d.max_queue))
-    add(
+    f("--max-queue", d.max_queue, "queued requests per model before RESOURCE_EXHAUSTED", type=int)
+    f(
         "--max-request-bytes",
+        d.max_request_bytes,
+        "largest request message on the public port",
         type=int,
-        default=_env("max_request_bytes", d.max_request_bytes),
-        help="largest request message accepted on the public port (default 4 MiB)",
     )
-    add(
+    f(
         "--on-late-compile",
-        choices=[p.value for p in LateCompilePolicy],
-        default=_env("on_late_compile", d.on_late_compile.value),
+        d.on_late_compile,
+        "a compile after SERVING: warn (log, count) or fail (also health NOT_SERVING)",
+        choices=[x.value for x in LateCompilePolicy],
     )
-    add("--grace-period", type=float, default=_env("grace_period", d.grace_period))
-    add("--log-level", default=_env("log_level", d.log_level))
+    f("--grace-period", d.grace_period, "seconds in-flight calls get on SIGTERM", type=float)
+    f("--log-level", d.log_level, "debug, info, warning or error")
     return p
 
 

@@ -120,7 +120,7 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="S",
         help="deadline of Describe, Reseed, MarkServing and the health check",
     )
-    add("--log-level", default=d.log_level, choices=LOG_LEVELS)
+    add("--log-level", default=d.log_level, choices=LOG_LEVELS, help="log verbosity")
     return p  # fmt: skip
 
 
