@@ -13,6 +13,9 @@ DEFAULT_ADMIN_HOST = "127.0.0.1"
 # Prometheus /metrics (off unless --metrics-port; compose and Kubernetes turn it on).
 DEFAULT_METRICS_PORT = 9100
 
+# Admin calls carry the shared token (when one is set) as this metadata: "Bearer <token>".
+ADMIN_TOKEN_METADATA = "authorization"
+
 # Fully qualified gRPC service names (reflection lists the public ones).
 INFERENCE_SERVICE = "inference.v1.Inference"
 ADMIN_SERVICE = "inference.v1.WarmupAdmin"

@@ -26,6 +26,7 @@ from inference_api.names import (
     INFERENCE_SERVICE,
 )
 from inference_svc import __version__
+from inference_svc.auth import AdminTokenInterceptor
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import Engine
 from inference_svc.metrics import Metrics
@@ -44,7 +45,8 @@ class Service:
         self.health = health.aio.HealthServicer()
         limit = ("grpc.max_receive_message_length", config.max_request_bytes)
         self.public = grpc.aio.server(options=[limit])
-        self.admin = grpc.aio.server()
+        guard = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
+        self.admin = grpc.aio.server(interceptors=guard)
         self.serving = False  # what health says for the gated names (read by metrics)
         self.metrics = Metrics(self.engine, lambda: self.serving, __version__)
         self.port = 0
@@ -76,11 +78,12 @@ class Service:
             lambda: loop.create_task(self._set_health(serving, reason))
         )
         log.info(
-            "listening: public %s:%d, admin %s:%d (boot %s); health NOT_SERVING until warmed",
+            "listening: public %s:%d, admin %s:%d (%s; boot %s); health NOT_SERVING until warmed",
             c.host,
             self.port,
             c.admin_host,
             self.admin_port,
+            "token required" if c.admin_token else "no token",
             self.engine.boot_id,
         )
         self._write_port_file()

@@ -11,7 +11,8 @@ import enum
 import functools
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from inference_api.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
 from inference_api.plan import CompilationMode, LogprobsMode
@@ -55,6 +56,9 @@ class ServiceConfig:
     max_request_bytes: int = 4 * 2**20
     on_late_compile: LateCompilePolicy = LateCompilePolicy.WARN
     grace_period: float = 10.0  # seconds in-flight calls get on SIGTERM
+    # Shared token every admin call must carry; "" = none. From --admin-token-file or the
+    # environment only (a flag's value would show in ps). Kept out of repr and logs.
+    admin_token: str = field(default="", repr=False)
     log_level: str = "info"
 
 
@@ -143,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a compile after SERVING: warn (log, count) or fail (also health NOT_SERVING)",
         choices=[x.value for x in LateCompilePolicy],
     )
+    f(
+        "--admin-token-file",
+        None,
+        "file holding the token every admin call must carry (or set INFERENCE_SVC_ADMIN_TOKEN)",
+    )
     f("--grace-period", d.grace_period, "seconds in-flight calls get on SIGTERM", type=float)
     f("--log-level", d.log_level, "debug, info, warning or error")
     return p
@@ -157,6 +166,12 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
     if not 0 < a.kv_cache_memory_fraction <= 1:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
+    token = os.environ.get(ENV_PREFIX + "ADMIN_TOKEN", "")
+    if a.admin_token_file:
+        try:
+            token = Path(a.admin_token_file).read_text().strip()
+        except OSError as e:
+            p.error(f"--admin-token-file: {e}")
     return ServiceConfig(
         host=a.host,
         port=int(a.port),
@@ -183,5 +198,6 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         max_request_bytes=int(a.max_request_bytes),
         on_late_compile=LateCompilePolicy(a.on_late_compile),
         grace_period=float(a.grace_period),
+        admin_token=token,
         log_level=a.log_level,
     )

@@ -26,6 +26,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from inference_api.names import ADMIN_TOKEN_METADATA
 from inference_api.stubs.inference.v1 import admin_pb2, admin_pb2_grpc
 from warmup_ctl.config import Config
 
@@ -108,6 +109,9 @@ class AdminClient:
         ]
         self._channel = grpc.aio.insecure_channel(cfg.admin, options=options)
         self._stub = admin_pb2_grpc.WarmupAdminStub(self._channel)
+        # The service's admin token, on every call (none when the service needs none).
+        token = cfg.admin_token
+        self._metadata = ((ADMIN_TOKEN_METADATA, f"Bearer {token}"),) if token else ()
 
     async def close(self) -> None:
         await self._channel.close()
@@ -127,7 +131,9 @@ class AdminClient:
 
     async def describe(self) -> admin_pb2.DescribeResponse:
         """One Describe call, no retry (the watch loop polls with it)."""
-        return await self._stub.Describe(admin_pb2.DescribeRequest(), timeout=self._cfg.rpc_timeout)
+        return await self._stub.Describe(
+            admin_pb2.DescribeRequest(), timeout=self._cfg.rpc_timeout, metadata=self._metadata
+        )
 
     async def wait_ready(self) -> admin_pb2.DescribeResponse:
         """Describe, retried until the admin port answers and the models are loaded."""
@@ -167,7 +173,9 @@ class AdminClient:
         try:
             async for attempt in retrying:
                 with attempt:
-                    resp = await self._stub.Warmup(req, timeout=cfg.step_timeout)
+                    resp = await self._stub.Warmup(
+                        req, timeout=cfg.step_timeout, metadata=self._metadata
+                    )
         except grpc.aio.AioRpcError as e:
             n = retrying.statistics.get("attempt_number", 1)
             hint = ""
@@ -195,7 +203,9 @@ class AdminClient:
         try:
             async for attempt in retrying:
                 with attempt:
-                    result = await method(req, timeout=self._cfg.rpc_timeout)
+                    result = await method(
+                        req, timeout=self._cfg.rpc_timeout, metadata=self._metadata
+                    )
         except grpc.aio.AioRpcError as e:
             raise WarmupFailed(f"{what} failed: {rpc_error(e)}") from e
         return result

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from inference_api import names
 
 ENV_ADMIN = "WARMUP_CTL_ADMIN"
 ENV_PUBLIC = "WARMUP_CTL_PUBLIC"
+ENV_TOKEN = "WARMUP_CTL_ADMIN_TOKEN"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -41,6 +43,8 @@ class Config:
     # Deadline of Describe, Reseed, MarkServing and the health check.
     rpc_timeout: float = 10.0
     log_level: str = "info"
+    # The service's admin token ("" = none): from --admin-token-file or WARMUP_CTL_ADMIN_TOKEN.
+    admin_token: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "step_timeout", "poll_interval", "rpc_timeout"):
@@ -120,8 +124,22 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="S",
         help="deadline of Describe, Reseed, MarkServing and the health check",
     )
+    add(
+        "--admin-token-file",
+        metavar="FILE",
+        help=f"file holding the service's admin token (or set {ENV_TOKEN}; default: none)",
+    )
     add("--log-level", default=d.log_level, choices=LOG_LEVELS, help="log verbosity")
     return p  # fmt: skip
+
+
+def _token(path: str | None, environ: Mapping[str, str]) -> str:
+    if not path:
+        return environ.get(ENV_TOKEN, "").strip()
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"--admin-token-file: {e}") from e
 
 
 def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config:
@@ -141,6 +159,7 @@ def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config
             backoff_max=a.backoff_max,
             rpc_timeout=a.rpc_timeout,
             log_level=a.log_level,
+            admin_token=_token(a.admin_token_file, environ),
         )
     except ValueError as e:
         parser.error(str(e))
