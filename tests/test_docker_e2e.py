@@ -79,6 +79,19 @@ def test_server_and_sidecar_share_one_namespace_and_the_admin_address() -> None:
     assert services["inference"]["command"] == ["sleep", "infinity"]
 
 
+def test_server_and_sidecar_read_the_admin_token_from_one_secret() -> None:
+    compose_file = compose()
+    services = compose_file["services"]
+    svc_args, ctl_args = services["server"]["command"], services["warmup-ctl"]["command"]
+    path = "/run/secrets/admin_token"
+    assert flag(svc_args, "--admin-token-file") == path
+    assert flag(ctl_args, "--admin-token-file") == path
+    for name in ("server", "warmup-ctl"):
+        assert [str(s.get("source", s)) if isinstance(s, dict) else s
+                for s in services[name]["secrets"]] == ["admin_token"]  # fmt: skip
+    assert "admin_token" in compose_file["secrets"]
+
+
 def test_healthcheck_asks_grpc_health_for_the_gated_name() -> None:
     check = compose()["services"]["inference"]["healthcheck"]
     test = check["test"]

@@ -169,3 +169,18 @@ def test_metrics_port_is_served_and_announced_for_scraping() -> None:
     assert notes["prometheus.io/scrape"] == "true"
     assert int(notes["prometheus.io/port"]) == names.DEFAULT_METRICS_PORT
     assert notes["prometheus.io/path"] == "/metrics"
+
+
+def test_service_and_sidecar_read_the_admin_token_from_the_secret() -> None:
+    token = "/var/run/secrets/inference-svc/admin-token"
+    sidecar = pod_spec()["initContainers"][0]
+    assert flag(container("inference")["command"], "--admin-token-file") == token
+    assert flag(sidecar["command"], "--admin-token-file") == token
+    for c in (container("inference"), sidecar):
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["admin-token"]["mountPath"] == token.rsplit("/", 1)[0]
+        assert mounts["admin-token"]["readOnly"] is True
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    secret = one("Secret")
+    assert volumes["admin-token"]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert "admin-token" in secret["stringData"]
