@@ -72,6 +72,9 @@ def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
+        except grpc.aio.AbortError:  # the call was already answered with its status
+            code = context.code().name if context.code() else "UNKNOWN"
+            raise
         except Exception as exc:
             code = code_of(exc).name
             await abort_for(context, exc)
