@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
@@ -81,9 +82,21 @@ def _to_dict(msg: Message) -> dict[str, Any]:
 # --- health ---------------------------------------------------------------------------
 
 
-def _check_once(addr: str, service: str, timeout: float) -> tuple[int, str]:
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to --addr: plaintext, or TLS when --tls-ca is given (with a client
+    certificate when --tls-cert and --tls-key are)."""
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.addr)
+    cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
+    key = Path(args.tls_key).read_bytes() if args.tls_key else None
+    creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
+    return grpc.secure_channel(args.addr, creds)
+
+
+def _check_once(args: argparse.Namespace, timeout: float) -> tuple[int, str]:
     """One probe, as grpc-health-probe does it: connect, then Check. (exit code, message)."""
-    with grpc.insecure_channel(addr) as channel:
+    addr, service = args.addr, args.service
+    with open_channel(args) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
@@ -105,14 +118,14 @@ def cmd_health(args: argparse.Namespace) -> int:
     """Exit 0 only when `args.service` is SERVING; with --wait, poll until it is."""
     if not args.wait:
         timeout = args.timeout if args.timeout is not None else HEALTH_TIMEOUT_S
-        code, message = _check_once(args.addr, args.service, timeout)
+        code, message = _check_once(args, timeout)
         print(message, file=sys.stdout if code in (EXIT_OK, EXIT_UNHEALTHY) else sys.stderr)
         return code
     deadline = time.monotonic() + (args.timeout if args.timeout is not None else WAIT_TIMEOUT_S)
     last: str | None = None
     while True:
         remaining = deadline - time.monotonic()
-        code, message = _check_once(args.addr, args.service, max(0.1, min(2.0, remaining)))
+        code, message = _check_once(args, max(0.1, min(2.0, remaining)))
         if code == EXIT_OK:
             print(message)
             return code
@@ -144,7 +157,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         truncate=args.truncate,
         dimensions=args.dimensions,
     )
-    with grpc.insecure_channel(args.addr) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         reply = stub.Embed(request, timeout=args.timeout)
     if args.json:
@@ -194,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.system and not args.chat:
         raise _UsageError("--system needs --chat")
     request = _generate_request(args)
-    with grpc.insecure_channel(args.addr) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         if not args.stream:
             reply = stub.Generate(request, timeout=args.timeout)
@@ -224,7 +237,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_info(args: argparse.Namespace) -> int:
     """What is loaded, how it is compiled, and the late-compile count."""
-    with grpc.insecure_channel(args.addr) as channel:
+    with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         reply = stub.Info(inference_pb2.InfoRequest(), timeout=args.timeout)
     if args.json:
@@ -261,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get(ADDR_ENV) or DEFAULT_ADDR,
         help=f"HOST:PORT of the service (default ${ADDR_ENV} or {DEFAULT_ADDR})",
     )
+    common.add_argument(
+        "--tls-ca",
+        default=os.environ.get("INFERENCE_TLS_CA") or None,
+        metavar="FILE",
+        help="speak TLS, trusting this CA bundle (default $INFERENCE_TLS_CA; plaintext if unset)",
+    )
+    common.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
+    common.add_argument("--tls-key", metavar="FILE", help="client key (mutual TLS)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     h = sub.add_parser("health", parents=[common], help="grpc.health.v1 probe (exit 0: SERVING)")

@@ -67,7 +67,7 @@ class Service:
             (*PUBLIC_SERVICES, reflection.SERVICE_NAME), self.public
         )
         add_servicer(self.admin, ADMIN_SERVICE, AdminServicer(self.engine, self.metrics))
-        self.port = self.public.add_insecure_port(f"{c.host}:{c.port}")
+        self.port = self._listen_public(f"{c.host}:{c.port}")
         self.admin_port = self.admin.add_insecure_port(f"{c.admin_host}:{c.admin_port}")
         await self.public.start()
         await self.admin.start()
@@ -88,6 +88,18 @@ class Service:
         )
         self._write_port_file()
         self.load_task = asyncio.create_task(asyncio.to_thread(self.engine.load))
+
+    def _listen_public(self, address: str) -> int:
+        """Plaintext, or TLS when a certificate is configured (mutual with a client CA)."""
+        c = self.config
+        if not c.tls_cert_file or not c.tls_key_file:
+            return self.public.add_insecure_port(address)
+        pair = (Path(c.tls_key_file).read_bytes(), Path(c.tls_cert_file).read_bytes())
+        client_ca = Path(c.tls_client_ca_file).read_bytes() if c.tls_client_ca_file else None
+        creds = grpc.ssl_server_credentials(
+            [pair], root_certificates=client_ca, require_client_auth=client_ca is not None
+        )
+        return self.public.add_secure_port(address, creds)
 
     async def loaded(self) -> None:
         assert self.load_task is not None, "start() first"

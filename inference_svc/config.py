@@ -35,6 +35,9 @@ class ServiceConfig:
     admin_port: int = DEFAULT_ADMIN_PORT  # WarmupAdmin (0 = any)
     metrics_host: str = "0.0.0.0"  # Prometheus /metrics listens here
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    tls_cert_file: str | None = None  # TLS on the public port: certificate chain (PEM)
+    tls_key_file: str | None = None  # ...and its private key (PEM)
+    tls_client_ca_file: str | None = None  # require client certificates signed by this CA
     port_file: str | None = None  # write {"port", "admin_port", "pid"} here once listening
     embed_model: str = "default"  # "default" (packaged MiniLM), "none", or a directory
     lm_model: str = "default"  # "default" (packaged SmolLM2), "none", or a directory
@@ -94,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     f("--admin-port", d.admin_port, "WarmupAdmin port; 0 picks a free one", type=int)
     f("--metrics-host", d.metrics_host, "Prometheus /metrics interface")
     f("--metrics-port", d.metrics_port, "Prometheus /metrics port; 0 picks one", type=int)
+    f("--tls-cert-file", d.tls_cert_file, "TLS on the public port: certificate chain (PEM)")
+    f("--tls-key-file", d.tls_key_file, "TLS on the public port: private key (PEM)")
+    f(
+        "--tls-client-ca-file",
+        d.tls_client_ca_file,
+        "require client certificates signed by this CA (mutual TLS; needs --tls-cert-file)",
+    )
     f("--port-file", d.port_file, "write the ports, pid and boot id here as JSON once listening")
     f("--embed-model", d.embed_model, "'default' (all-MiniLM-L6-v2), 'none' or a model directory")
     f("--lm-model", d.lm_model, "'default' (SmolLM2-135M-Instruct), 'none' or a model directory")
@@ -166,6 +176,10 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
     if not 0 < a.kv_cache_memory_fraction <= 1:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
+    if bool(a.tls_cert_file) != bool(a.tls_key_file):
+        p.error("--tls-cert-file and --tls-key-file go together")
+    if a.tls_client_ca_file and not a.tls_cert_file:
+        p.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
     token = os.environ.get(ENV_PREFIX + "ADMIN_TOKEN", "")
     if a.admin_token_file:
         try:
@@ -177,6 +191,9 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         port=int(a.port),
         admin_host=a.admin_host,
         admin_port=int(a.admin_port),
+        tls_cert_file=a.tls_cert_file or None,
+        tls_key_file=a.tls_key_file or None,
+        tls_client_ca_file=a.tls_client_ca_file or None,
         port_file=a.port_file,
         metrics_host=a.metrics_host,
         metrics_port=None if a.metrics_port in (None, "") else int(a.metrics_port),

@@ -1,0 +1,94 @@
+"""TLS on the public port, with a CA made in the test (openssl): plaintext clients are
+refused, TLS clients that trust the CA are served, client certificates are required when a
+client CA is configured, and inference-cli speaks TLS. The admin port stays loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
+from inference_api.stubs.inference.v1 import inference_pb2_grpc
+from inference_cli import cli
+from tests.conftest import start_service, tiny_args
+
+pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
+
+
+def openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> Path:
+    """ca.pem, server.pem/-key.pem (localhost, 127.0.0.1), client.pem/-key.pem."""
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+            "-keyout", "ca-key.pem", "-out", "ca.pem", cwd=d)  # fmt: skip
+    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", f"{name}-key.pem", "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem",
+                "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem",
+                cwd=d)  # fmt: skip
+    return d
+
+
+def tls_channel(port: int, pki: Path, client_cert: bool = False) -> grpc.aio.Channel:
+    key = (pki / "client-key.pem").read_bytes() if client_cert else None
+    cert = (pki / "client.pem").read_bytes() if client_cert else None
+    creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes(), key, cert)
+    return grpc.aio.secure_channel(f"localhost:{port}", creds)
+
+
+async def health(channel: grpc.aio.Channel) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    req = health_pb2.HealthCheckRequest(service="inference.v1.Inference")
+    return (await stub.Check(req, timeout=10)).status
+
+
+async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, tiny_lm_dir):
+    pki = make_pki(tmp_path)
+    tls = [
+        "--tls-cert-file",
+        str(pki / "server.pem"),
+        "--tls-key-file",
+        str(pki / "server-key.pem"),
+    ]
+    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir, *tls))
+    try:
+        await service.loaded()
+        await c.warm_and_serve()  # the admin port: plaintext on loopback
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health(c.channel)  # a plaintext client on the TLS port
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with tls_channel(service.port, pki) as channel:
+            assert await health(channel) == health_pb2.HealthCheckResponse.SERVING
+            reply = await inference_pb2_grpc.InferenceStub(channel).Embed(
+                pb.EmbedRequest(inputs=["over TLS"]), timeout=30
+            )
+            assert len(reply.embeddings) == 1
+        argv = ["health", "--addr", f"localhost:{service.port}", "--tls-ca", str(pki / "ca.pem")]
+        assert await asyncio.to_thread(cli.main, argv) == 0
+        assert await asyncio.to_thread(cli.main, argv[:3]) == 2  # plaintext: cannot connect
+    finally:
+        await c.close()
+        await service.stop(0)
+
+    mutual = [*tls, "--tls-client-ca-file", str(pki / "ca.pem")]
+    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir, *mutual))
+    try:
+        async with tls_channel(service.port, pki) as channel:  # no client certificate
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health(channel)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        async with tls_channel(service.port, pki, client_cert=True) as channel:
+            assert await health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        await c.close()
+        await service.stop(0)
