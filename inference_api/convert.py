@@ -105,12 +105,15 @@ def _kv_explicit(pb: admin_pb2.ModelProfile) -> bool:
 
 def bucket_from_pb(pb: admin_pb2.ShapeBucket, model: str = "") -> plan.Bucket:
     phase = from_pb(PHASE, pb.phase, admin_pb2.Phase, f"model {model!r}: bucket phase")
-    return plan.Bucket(phase, pb.batch_size, pb.seq_len)
+    return plan.Bucket(phase, pb.batch_size, pb.seq_len, pb.context_len)
 
 
 def bucket_to_pb(bucket: plan.Bucket) -> admin_pb2.ShapeBucket:
     return admin_pb2.ShapeBucket(
-        phase=to_pb(bucket.phase), batch_size=bucket.batch_size, seq_len=bucket.seq_len
+        phase=to_pb(bucket.phase),
+        batch_size=bucket.batch_size,
+        seq_len=bucket.seq_len,
+        context_len=bucket.context_len,
     )
 
 

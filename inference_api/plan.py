@@ -62,10 +62,12 @@ class Bucket:
 
     phase: Phase
     batch_size: int
-    seq_len: int  # padded sequence length (embed, prefill) or 1 (decode)
+    seq_len: int  # padded tokens per row: embed, a prefill chunk, or 1 (decode)
+    context_len: int = 0  # KV-cache slots attended (prefill, decode); 0 for embed
 
     def __str__(self) -> str:
-        return f"{self.phase.value} {self.batch_size}x{self.seq_len}"
+        ctx = f"@{self.context_len}" if self.context_len else ""
+        return f"{self.phase.value} {self.batch_size}x{self.seq_len}{ctx}"
 
 
 @dataclass(frozen=True)

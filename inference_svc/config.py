@@ -49,7 +49,8 @@ class ServiceConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     embed_max_batch: int = 32  # most inputs per Embed batch
-    gen_max_batch: int = 4  # most sequences decoded together (KV-cache rows)
+    gen_max_batch: int = 16  # most sequences decoded together (KV-cache rows, memory allowing)
+    prefill_chunk_tokens: int = 64  # most prompt tokens prefilled between two decode steps
     max_input_tokens: int = 512  # longest Generate prompt
     max_new_tokens: int = 512  # largest max_tokens
     kv_cache_tokens: int | None = None  # explicit KV-cache size; None = sized by PROFILE
@@ -129,7 +130,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     f("--embed-max-batch", d.embed_max_batch, "most inputs per Embed batch", type=int)
-    f("--gen-max-batch", d.gen_max_batch, "most sequences decoded together", type=int)
+    f(
+        "--gen-max-batch",
+        d.gen_max_batch,
+        "most sequences decoded together (KV-cache rows; PROFILE caps it by memory)",
+        type=int,
+    )
+    f(
+        "--prefill-chunk-tokens",
+        d.prefill_chunk_tokens,
+        "most prompt tokens prefilled between two decode steps of running streams",
+        type=int,
+    )
     f("--max-input-tokens", d.max_input_tokens, "longest Generate prompt, in tokens", type=int)
     f("--max-new-tokens", d.max_new_tokens, "largest max_tokens a request may ask", type=int)
     f(
@@ -174,6 +186,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         p.error("--gen-max-batch must be at least 2 and --embed-max-batch at least 1")
     if a.max_input_tokens < 2 or a.max_new_tokens < 1:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
+    if a.prefill_chunk_tokens < 16:
+        p.error("--prefill-chunk-tokens must be at least 16")
     if not 0 < a.kv_cache_memory_fraction <= 1:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
     if bool(a.tls_cert_file) != bool(a.tls_key_file):
@@ -207,6 +221,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         dtype=a.dtype,
         embed_max_batch=int(a.embed_max_batch),
         gen_max_batch=int(a.gen_max_batch),
+        prefill_chunk_tokens=int(a.prefill_chunk_tokens),
         max_input_tokens=int(a.max_input_tokens),
         max_new_tokens=int(a.max_new_tokens),
         kv_cache_tokens=None if a.kv_cache_tokens in (None, "") else int(a.kv_cache_tokens),

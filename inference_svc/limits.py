@@ -23,9 +23,10 @@ class EmbedLimits:
 class GenLimits:
     """What a Generate request may ask of the generative model."""
 
-    max_batch: int = 4
+    max_batch: int = 16  # KV-cache rows: sequences decoded together
     max_input_tokens: int = 512
     max_new_tokens: int = 512
+    prefill_chunk: int = 64  # most prompt tokens prefilled between two decode steps
 
     @property
     def max_seq_len(self) -> int:

@@ -75,7 +75,9 @@ def _load_embedding(c: ServiceConfig, monitor: CompileMonitor) -> EmbeddingRunti
 
 def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRuntime:
     device, dtype = _device_and_dtype(c)
-    limits = GenLimits(c.gen_max_batch, c.max_input_tokens, c.max_new_tokens)
+    limits = GenLimits(
+        c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
+    )
     directory = resolve_lm_dir(c.lm_model)
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
     model = load_generative(

@@ -108,8 +108,8 @@ class GenerativeRuntime(RuntimeBase):
 
         def run_bucket(b: Bucket, gen: torch.Generator) -> object:
             if b.phase is Phase.PREFILL:
-                return m.dummy_prefill(b.batch_size, b.seq_len, gen)
-            return m.dummy_decode(b.batch_size, gen)
+                return m.dummy_prefill(b.seq_len, b.context_len, gen)
+            return m.dummy_decode(b.batch_size, b.context_len, gen)
 
         return warmup.compile_buckets(
             self.name, m.mode, self.buckets(), self._compiled, run_bucket, self.monitor

@@ -14,11 +14,12 @@ import torch
 
 from inference_api.plan import Bucket, CompilationMode, LogprobsMode, Phase, SamplerPath, StepKind
 from inference_svc.compile_monitor import CompileMonitor
-from inference_svc.engine.generation import random_logits, sampling_metadata
+from inference_svc.engine.generation import random_logits, request_generator, sampling_metadata
 from inference_svc.engine.memory import available_bytes, peak_during
 from inference_svc.engine.runtime import StepReport, timed
 from inference_svc.engine.types import GenerateParams
 from inference_svc.errors import ResourceExhausted
+from inference_svc.models.compile import bucket_for
 from inference_svc.models.embedding import EmbeddingModel
 from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import MAX_LOGPROBS, Sampler
@@ -33,9 +34,23 @@ def embed_buckets(m: EmbeddingModel) -> tuple[Bucket, ...]:
 
 
 def generative_buckets(m: GenerativeModel) -> tuple[Bucket, ...]:
+    """Every shape the scheduler can run: a prefill chunk (one row) of each chunk bucket
+    against each context bucket that can hold it, and a decode step of each batch bucket
+    against each context bucket."""
     rows = m.usable_batch_buckets() if m.cache_rows else m.batch_buckets
-    prefill = [Bucket(Phase.PREFILL, b, n) for b, n in product(rows, m.prefill_buckets)]
-    return (*prefill, *(Bucket(Phase.DECODE, b, 1) for b in rows))
+    slots = m.limits.max_seq_len
+    # A chunk starts at a multiple of the chunk limit and ends by the prompt's last chunk.
+    limit = m.chunk_buckets[-1]
+    furthest = bucket_for(
+        min(-(-m.limits.max_input_tokens // limit) * limit, slots), m.context_buckets
+    )
+    prefill = [
+        Bucket(Phase.PREFILL, 1, c, ctx)
+        for c, ctx in product(m.chunk_buckets, m.context_buckets)
+        if bucket_for(min(c, slots), m.context_buckets) <= ctx <= furthest
+    ]
+    decode = [Bucket(Phase.DECODE, b, 1, ctx) for b, ctx in product(rows, m.context_buckets)]
+    return (*prefill, *decode)
 
 
 def profile(
@@ -54,14 +69,22 @@ def profile(
     def run() -> None:
         m.allocate_cache(m.limits.max_batch * m.limits.max_seq_len)
         cache_bytes = m.kv_cache_tokens * m.kv_bytes_per_token()
-        batch, length = m.batch_buckets[-1], m.prefill_buckets[-1]
+        # The largest shapes: a decode step over every row, a full chunk at full context.
+        batch, context = m.batch_buckets[-1], m.context_buckets[-1]
+        chunk = [b for b in generative_buckets(m) if b.phase is Phase.PREFILL][-1]
+        largest = (Bucket(Phase.DECODE, batch, 1, context), chunk)
+
+        def forwards() -> None:
+            m.dummy_decode(batch, context, gen)
+            m.dummy_prefill(chunk.seq_len, chunk.context_len, gen)
+
         if m.mode is not CompilationMode.NONE:
             # Compile first, then measure a second run: the compiler's own memory is not
             # the forward's and would shrink the cache for nothing.
-            m.dummy_prefill(batch, length, gen)
-            compiled.add(Bucket(Phase.PREFILL, batch, length))
-        peak = peak_during(m.device, lambda: m.dummy_prefill(batch, length, gen))
-        report.buckets.append(Bucket(Phase.PREFILL, batch, length))
+            forwards()
+            compiled.update(largest)
+        peak = peak_during(m.device, forwards)
+        report.buckets.extend(largest)
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
         fits = max(budget, 0) // (m.kv_bytes_per_token() * m.limits.max_seq_len)
         rows = min(m.limits.max_batch, fits)
@@ -76,7 +99,7 @@ def profile(
             m.allocate_cache(rows * m.limits.max_seq_len)
         report.kv_cache_tokens = m.kv_cache_tokens
         report.detail = (
-            f"activation peak {peak / 2**20:.0f} MiB at batch {batch} x {length}; "
+            f"activation peak {peak / 2**20:.0f} MiB at decode {batch} rows, {chunk}; "
             f"KV cache {m.kv_cache_tokens} tokens ({m.cache_rows} sequences)"
         )
 
@@ -151,7 +174,8 @@ def warm_sampler(
         for path in paths:
             for batch in m.usable_batch_buckets():
                 params = [_warm_params(path, row) for row in range(batch)]
-                md = sampling_metadata(list(params), m.device, mode)
+                gens = {i: g for i, p in enumerate(params) if (g := request_generator(p, m.device))}
+                md = sampling_metadata(list(params), gens, m.device, mode)
                 sampler(random_logits(batch, vocab, gen, m.device), md)
             report.sampler_paths.append(path)
         report.detail = f"{len(paths)} paths x batch {list(m.usable_batch_buckets())}"

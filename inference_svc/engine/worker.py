@@ -47,7 +47,7 @@ class ModelWorker(Generic[J]):
         self._thread.start()
 
     def submit(self, job: J) -> None:
-        if self._queue.qsize() >= self.max_queue:
+        if self.depth() >= self.max_queue:
             raise ResourceExhausted(
                 f"model {self.name}: {self.max_queue} requests already queued; retry later"
             )

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from inference_api.plan import CompilationMode
+from inference_api.plan import Bucket, CompilationMode, Phase
 from inference_svc.compile_monitor import CompileMonitor, Origin
 from inference_svc.limits import GenLimits
-from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
+from inference_svc.models.compile import batch_buckets, bucket_for, compile_fn, length_buckets
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
 
@@ -44,7 +44,11 @@ class GenerativeModel:
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.batch_buckets = batch_buckets(limits.max_batch, mode)
-        self.prefill_buckets = length_buckets(limits.max_input_tokens)
+        # A prompt is prefilled in chunks of at most prefill_chunk tokens, each padded to
+        # a chunk bucket; every forward attends to a context bucket of its row's slots.
+        self.chunk_buckets = length_buckets(min(limits.prefill_chunk, limits.max_input_tokens))
+        self.context_buckets = length_buckets(limits.max_seq_len, smallest=32)
+        self.request_shapes: set[Bucket] = set()  # what requests ran (tests check vs Describe)
         self._prefill = compile_fn(lm.prefill, mode)
         self._decode = compile_fn(lm.decode, mode)
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
@@ -62,7 +66,9 @@ class GenerativeModel:
 
     def allocate_cache(self, tokens: int) -> int:
         """Allocate a cache of ``tokens`` slots (whole sequences); returns rows."""
-        rows = min(tokens // self.limits.max_seq_len, self.limits.max_batch)
+        fits = min(tokens // self.limits.max_seq_len, self.limits.max_batch)
+        # Whole batch buckets only: every row of the cache is reachable by a decode bucket.
+        rows = max((b for b in self.batch_buckets if b <= fits), default=fits)
         if rows < 2:
             need = 2 * self.limits.max_seq_len
             raise ValueError(
@@ -72,11 +78,13 @@ class GenerativeModel:
             )
         s = self.lm.shape
         # Rows first: a batch's rows, cache[:b], are one contiguous block of each layer.
-        dims = (rows, s.num_kv_heads, self.limits.max_seq_len, s.head_dim)
+        # One slot more than any context bucket: every view a forward gets ([:b, :, :L])
+        # has the same stride pattern, so a compiled graph does not specialise on L == slots.
+        dims = (rows, s.num_kv_heads, self.limits.max_seq_len + 1, s.head_dim)
         opts = {"dtype": self.dtype, "device": self.device}
         self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
-        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[2])
+        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[2] - 1)
         return rows
 
     def kv_bytes_per_token(self) -> int:
@@ -109,44 +117,72 @@ class GenerativeModel:
         self.token_text(ids[0])
 
     # -- forward passes ----------------------------------------------------
-    @torch.inference_mode()
-    def prefill(self, ids: Tensor, positions: Tensor, valid: Tensor, origin: Origin) -> Tensor:
-        shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
-        with self.monitor.context(self.name, f"prefill/{origin.value}", shapes):
-            keys, values = self._rows(ids.shape[0])
-            return self._prefill(ids, positions, valid, keys, values)
+    def chunk_shape(self, start: int, n: int) -> Bucket:
+        """The padded shape of a prefill chunk of ``n`` tokens written from slot ``start``."""
+        width = bucket_for(n, self.chunk_buckets)
+        context = bucket_for(min(start + width, self.limits.max_seq_len), self.context_buckets)
+        return Bucket(Phase.PREFILL, 1, width, context)
+
+    def decode_shape(self, rows: int, top: int) -> Bucket:
+        """The padded shape of a decode step over cache rows [0, rows) whose highest
+        written slot is ``top``."""
+        batch = bucket_for(rows, self.usable_batch_buckets())
+        return Bucket(Phase.DECODE, batch, 1, bucket_for(top + 1, self.context_buckets))
 
     @torch.inference_mode()
-    def decode(
-        self, ids: Tensor, positions: Tensor, slot: Tensor, valid: Tensor, origin: Origin
-    ) -> Tensor:
-        shapes = f"batch={ids.shape[0]} slot={int(slot[0])}"
-        with self.monitor.context(self.name, f"decode/{origin.value}", shapes):
-            keys, values = self._rows(ids.shape[0])
-            return self._decode(ids, positions, slot, valid, keys, values)
+    def prefill(self, row: int, ids: list[int], start: int, origin: Origin) -> Tensor:
+        """Write one chunk of a prompt into cache ``row`` from slot ``start``; returns the
+        logits [1, vocab] after its last token. The chunk is right-padded to a chunk bucket;
+        the padding writes the next free slot, which the next chunk or decode overwrites."""
+        shape = self.chunk_shape(start, len(ids))
+        width, slots = shape.seq_len, self.limits.max_seq_len
+        tokens = torch.full((1, width), self.pad_id, dtype=torch.long)
+        tokens[0, : len(ids)] = torch.tensor(ids)
+        positions = (torch.arange(width) + start).clamp(max=slots - 1)[None]
+        last = torch.tensor([len(ids) - 1])
+        keys, values = self._view(slice(row, row + 1), shape.context_len)
+        d = self.device
+        with self.monitor.context(self.name, f"prefill/{origin.value}", str(shape)):
+            self._seen(shape, origin)
+            return self._prefill(tokens.to(d), positions.to(d), last.to(d), keys, values)
 
-    def _rows(self, batch: int) -> tuple[list[Tensor], list[Tensor]]:
+    @torch.inference_mode()
+    def decode(self, tokens: Tensor, positions: list[int], origin: Origin) -> Tensor:
+        """One token for each cache row [0, B): ``tokens`` [B], written at ``positions``
+        (one per row; padding rows give a slot nobody attends to). Logits [B, vocab]."""
+        shape = self.decode_shape(len(positions), max(positions))
+        pad = shape.batch_size - len(positions)
+        ids = torch.cat([tokens.cpu(), torch.full((pad,), self.pad_id)])[:, None]
+        pos = torch.tensor(positions + [0] * pad)[:, None]
+        keys, values = self._view(slice(0, shape.batch_size), shape.context_len)
+        d = self.device
+        with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
+            self._seen(shape, origin)
+            return self._decode(ids.to(d), pos.to(d), keys, values)
+
+    def _seen(self, shape: Bucket, origin: Origin) -> None:
+        if origin is Origin.REQUEST:
+            self.request_shapes.add(shape)
+
+    def _view(self, rows: slice, context: int) -> tuple[list[Tensor], list[Tensor]]:
         assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
-        return [k[:batch] for k in self.k_cache], [v[:batch] for v in self.v_cache]
+        return (
+            [k[rows, :, :context] for k in self.k_cache],
+            [v[rows, :, :context] for v in self.v_cache],
+        )
 
-    def dummy_prefill(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
-        """A prefill of random tokens at this padded shape (warmup, profiling)."""
-        ids = torch.randint(0, self.lm.shape.vocab_size, (batch, length), generator=gen)
-        valid = torch.ones(batch, length, dtype=torch.bool)
-        valid[0, : length // 2] = False  # a left-padded row, as real batches have
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        d = self.device
-        return self.prefill(ids.to(d), positions.to(d), valid.to(d), Origin.WARMUP)
+    def dummy_prefill(self, width: int, context: int, gen: torch.Generator) -> Tensor:
+        """A prefill chunk of random tokens at this shape, into row 0 (warmup, profiling)."""
+        ids = torch.randint(0, self.lm.shape.vocab_size, (width,), generator=gen).tolist()
+        start = max(0, min(context, self.limits.max_seq_len) - width)
+        return self.prefill(0, ids, start, Origin.WARMUP)
 
-    def dummy_decode(self, batch: int, gen: torch.Generator) -> Tensor:
-        slots = self.limits.max_seq_len
-        ids = torch.randint(0, self.lm.shape.vocab_size, (batch, 1), generator=gen)
-        slot = torch.tensor([slots // 2], dtype=torch.long)
-        valid = torch.zeros(batch, slots, dtype=torch.bool)
-        valid[:, : slots // 2 + 1] = True
-        positions = torch.full((batch, 1), slots // 2, dtype=torch.long)
-        d = self.device
-        return self.decode(ids.to(d), positions.to(d), slot.to(d), valid.to(d), Origin.WARMUP)
+    def dummy_decode(self, batch: int, context: int, gen: torch.Generator) -> Tensor:
+        """A decode step at this shape: rows at random slots, the highest at the last one."""
+        tokens = torch.randint(0, self.lm.shape.vocab_size, (batch,), generator=gen)
+        positions = torch.randint(0, context, (batch,), generator=gen).tolist()
+        positions[0] = context - 1
+        return self.decode(tokens, positions, Origin.WARMUP)
 
 
 def load_generative(

@@ -179,56 +179,57 @@ class LlamaLM(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
-        valid: Tensor,
+        last: Tensor,
         k_cache: list[Tensor],
         v_cache: list[Tensor],
     ) -> Tensor:
-        """Run left-padded prompts [B, P]; fill cache slots [0, P); logits of the last slot.
+        """One chunk of one prompt [1, C] into its cache row; the logits at index ``last``.
 
-        ``valid`` [B, P] is True on real tokens. ``k_cache``/``v_cache`` hold one
-        tensor per layer, the batch's rows of the cache, [B, kv_heads, slots,
-        head_dim]: the caller slices them, so the cache's batch size is the input's
-        (one symbol), and each layer's write is an in-place store into its own input
-        (inductor writes it where it is, no copy of the cache).
+        ``positions`` [1, C] are the chunk's cache slots (a right-padded chunk's padding
+        repeats a slot nobody attends to yet). ``k_cache``/``v_cache`` hold one tensor per
+        layer, the row's first ``Lp`` slots [1, kv_heads, Lp, head_dim], a view the caller
+        slices: the chunk's keys are written there in place and its queries attend to
+        every slot up to their own position (earlier chunks included).
         """
-        n = input_ids.shape[1]
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
-        causal = torch.ones(n, n, dtype=torch.bool, device=h.device).tril()
-        eye = torch.eye(n, dtype=torch.bool, device=h.device)
-        # Pad rows attend to themselves only, so no row of the mask is empty.
-        mask = (causal & valid[:, None, None, :]) | eye
+        slots = torch.arange(k_cache[0].shape[2], device=h.device)
+        mask = (slots[None, :] <= positions[0, :, None])[None, None]  # [1, 1, C, Lp]
+        where = positions[0]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            k_cache[i][:, :, :n] = k
-            v_cache[i][:, :, :n] = v
-            h = self._mlp_block(layer, h, attn.attend(q, k, v, mask))
-        return self._logits(h[:, -1])
+            keys, values = k_cache[i], v_cache[i]
+            keys.index_copy_(2, where, k)
+            values.index_copy_(2, where, v)
+            h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
+        return self._logits(h[0, last])
 
     def decode(
         self,
         input_ids: Tensor,
         positions: Tensor,
-        slot: Tensor,
-        valid: Tensor,
         k_cache: list[Tensor],
         v_cache: list[Tensor],
     ) -> Tensor:
-        """One token per row [B, 1] written at cache ``slot`` (a 1-element long tensor).
+        """One token per row [B, 1], each written at its own slot ``positions`` [B, 1].
 
-        ``valid`` [B, slots] marks the cache slots each row may attend to
-        (its real prompt tokens and everything generated, this slot included).
+        ``k_cache``/``v_cache`` are the batch's rows and their first ``L`` slots
+        [B, kv_heads, L, head_dim] (a view: no copy); each row attends to the slots up to
+        its own position, so rows of different lengths and ages decode in one step.
         """
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
-        mask = valid[:, None, None, :]
+        b = input_ids.shape[0]
+        slots = torch.arange(k_cache[0].shape[2], device=h.device)
+        mask = (slots[None, :] <= positions)[:, None, None, :]  # [B, 1, 1, L]
+        rows = torch.arange(b, device=h.device)
+        where = positions[:, 0]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
-            keys = k_cache[i]
-            values = v_cache[i]
-            keys.index_copy_(2, slot, k)
-            values.index_copy_(2, slot, v)
+            keys, values = k_cache[i], v_cache[i]
+            keys[rows, :, where] = k[:, :, 0]
+            values[rows, :, where] = v[:, :, 0]
             h = self._mlp_block(layer, h, attn.attend_one(q, keys, values, mask))
         return self._logits(h[:, -1])

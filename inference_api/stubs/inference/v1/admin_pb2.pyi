@@ -69,14 +69,16 @@ SAMPLER_PATH_SEEDED: SamplerPath
 SAMPLER_PATH_LOGPROBS: SamplerPath
 
 class ShapeBucket(_message.Message):
-    __slots__ = ("phase", "batch_size", "seq_len")
+    __slots__ = ("phase", "batch_size", "seq_len", "context_len")
     PHASE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
     phase: Phase
     batch_size: int
     seq_len: int
-    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ...) -> None: ...
+    context_len: int
+    def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., context_len: _Optional[int] = ...) -> None: ...
 
 class ModelProfile(_message.Message):
     __slots__ = ("name", "kind", "has_kv_cache", "kv_cache_sizing", "kv_cache_tokens", "compilation_mode", "logprobs_mode", "buckets", "compiled_buckets")
