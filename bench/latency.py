@@ -114,9 +114,7 @@ def in_process(repeats: int, tokens: int) -> dict[str, float]:
             n += len(chunk.token_ids)
         return n
 
-    embed = median_of(
-        lambda: loop.run_until_complete(engine.embedder().embed(e_params)), repeats
-    )
+    embed = median_of(lambda: loop.run_until_complete(engine.embedder().embed(e_params)), repeats)
     rate = tokens_per_s(lambda: loop.run_until_complete(generate()), max(3, repeats // 6))
     engine.close()
     loop.close()
