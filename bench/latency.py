@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,9 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
+from bench.service import running_service  # noqa: E402
+
 TEXT = "The quick brown fox jumps over the lazy dog."
 PROMPT = "Write a long story about a lighthouse keeper and the sea."  # sent as a chat message
 
@@ -62,35 +62,18 @@ def tokens_per_s(fn: Callable[[], int], repeats: int) -> float:
 
 
 def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
-    ports = tmp / "ports.json"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    log = (tmp / "svc.log").open("w")
-    svc = subprocess.Popen(
-        [str(BIN / "inference-svc"), "--port", "0", "--admin-port", "0", "--port-file", str(ports)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    try:
-        while not ports.exists():
-            time.sleep(0.1)
-        p = json.loads(ports.read_text())
-        ctl = [str(BIN / "warmup-ctl"), "--once", "--admin", f"127.0.0.1:{p['admin_port']}",
-               "--public", f"127.0.0.1:{p['port']}"]  # fmt: skip
-        subprocess.run(ctl, check=True, env=env, capture_output=True)
-        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(f"127.0.0.1:{p['port']}"))
+    with running_service([], tmp) as svc:
+        stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(svc.target))
         embed = median_of(lambda: stub.Embed(pb.EmbedRequest(inputs=[TEXT])), repeats)
         chat = [pb.ChatMessage(role="user", content=PROMPT)]
         req = pb.GenerateRequest(messages=chat, sampling=pb.SamplingParams(max_tokens=tokens))
         rate = tokens_per_s(
             lambda: stub.Generate(req).usage.completion_tokens, max(3, repeats // 6)
         )
-        loads = re.findall(r"loaded model (\w+) in ([\d.]+) s", (tmp / "svc.log").read_text())
+        loads = re.findall(r"loaded model (\w+) in ([\d.]+) s", svc.log.read_text())
         out = {"embed_s": embed, "gen_tok_s": rate}
         out.update({f"load_{name}_s": float(sec) for name, sec in loads})
         return out
-    finally:
-        svc.terminate()
-        svc.wait(30)
-        log.close()
 
 
 def in_process(repeats: int, tokens: int) -> dict[str, float]:

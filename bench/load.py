@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,7 +30,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.service import running_service
+
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "A KV cache holds keys and values"]
 CHAT = pb.GenerateRequest(
     messages=[pb.ChatMessage(role="user", content="Name a colour.")],
@@ -144,23 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default="none", help="the service's --compilation-mode")
     args = p.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="load-"))
-    port_file = tmp / "ports.json"
-    argv_svc = [str(BIN / "inference-svc"), "--port", "0", "--admin-port", "0",
-                "--metrics-port", "0", "--metrics-host", "127.0.0.1",
-                "--compilation-mode", args.mode, "--port-file", str(port_file)]  # fmt: skip
-    with (tmp / "svc.log").open("w") as log:
-        svc = subprocess.Popen(argv_svc, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            while not port_file.exists():
-                time.sleep(0.2)
-            ports = json.loads(port_file.read_text())
-            ctl = [str(BIN / "warmup-ctl"), "--once", "--admin", f"127.0.0.1:{ports['admin_port']}",
-                   "--public", f"127.0.0.1:{ports['port']}"]  # fmt: skip
-            subprocess.run(ctl, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            asyncio.run(drive(args, ports, svc.pid))
-        finally:
-            svc.terminate()
-            svc.wait(timeout=60)
+    args_svc = [
+        "--metrics-port",
+        "0",
+        "--metrics-host",
+        "127.0.0.1",
+        "--compilation-mode",
+        args.mode,
+    ]
+    with running_service(args_svc, tmp) as svc:
+        ports = {"port": svc.port, "metrics_port": svc.metrics_port}
+        asyncio.run(drive(args, ports, svc.pid))
     print(f"service log: {tmp / 'svc.log'}")
     return 0
 

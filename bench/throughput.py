@@ -1,0 +1,281 @@
+"""Generate under concurrent load: the service's continuous batching against its peers.
+
+In one run, one system after another (never two at once: they would share the CPU):
+  - the service (its own process, --embed-model none, warmed by `warmup-ctl --once`) in
+    each mode of --modes, called over gRPC with GenerateStream, greedy:
+      * N = 1, 2, 4, 8, 16 concurrent streams: aggregate tokens/s, per-stream latency and
+        time to first token (TTFT);
+      * joins: 7 streams mid-generation, then a short request: its TTFT against its TTFT on
+        the idle service; then joiners arrive one by one while the 7 run: the running
+        streams' inter-token latency (ITL) percentiles over that window;
+  - stock transformers in this process: LlamaForCausalLM.generate on the same weights,
+    a batch of N left-padded prompts, greedy;
+  - llama.cpp (llama-cpp-python, same GGUF file, same thread count) when installed:
+    one stream (it decodes one sequence at a time).
+Prints a table, writes bench/results/throughput.json and throughput.png (tokens/s against
+streams, one line per system).
+
+  .venv/bin/python bench/throughput.py [--modes none,default] [--streams 1,2,4,8,16]
+                                       [--tokens 64] [--no-peers]
+
+A benchmark, not a test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.service import running_service  # noqa: E402
+from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
+from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city at night",
+          "an old map", "a dragon who cannot fly", "the last train", "a garden on Mars",
+          "a clockmaker", "the silent sea", "a library of echoes", "a fox and a crow",
+          "a storm at harvest", "a bridge of glass", "a forgotten song",
+          "the desert moon"]  # fmt: skip
+
+
+def chat(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+@dataclass
+class Trace:
+    start: float
+    stamps: list[float] = field(default_factory=list)  # arrival of each token
+
+    @property
+    def ttft(self) -> float:
+        return self.stamps[0] - self.start
+
+    def gaps(self, after: float = 0.0, before: float = float("inf")) -> list[float]:
+        pairs = zip(self.stamps, self.stamps[1:], strict=False)
+        return [b - a for a, b in pairs if a >= after and b <= before]
+
+
+async def stream(
+    stub: inference_pb2_grpc.InferenceStub, i: int, tokens: int, trace: Trace | None = None
+) -> Trace:
+    """One GenerateStream call; ``trace`` (when given) fills while the call runs."""
+    msgs = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in chat(i)]
+    req = pb.GenerateRequest(messages=msgs, sampling=pb.SamplingParams(max_tokens=tokens))
+    trace = trace or Trace(time.perf_counter())
+    trace.start = time.perf_counter()
+    async for chunk in stub.GenerateStream(req):
+        now = time.perf_counter()
+        trace.stamps.extend([now] * len(chunk.token_ids))
+    return trace
+
+
+async def concurrency(stub: inference_pb2_grpc.InferenceStub, n: int, tokens: int) -> dict:
+    start = time.perf_counter()
+    traces = await asyncio.gather(*(stream(stub, i, tokens) for i in range(n)))
+    wall = max(t.stamps[-1] for t in traces) - start
+    return {
+        "streams": n,
+        "tok_s": sum(len(t.stamps) for t in traces) / wall,
+        "latency_s": statistics.median(t.stamps[-1] - t.start for t in traces),
+        "ttft_s": statistics.median(t.ttft for t in traces),
+    }
+
+
+async def joins(stub: inference_pb2_grpc.InferenceStub, tokens: int) -> dict:
+    """TTFT of a short request on an idle service and mid-generation; ITL while others join."""
+    idle = [(await stream(stub, 99, 4)).ttft for _ in range(3)]
+    live = [Trace(0.0) for _ in range(7)]
+    running = [asyncio.ensure_future(stream(stub, i, tokens * 2, live[i])) for i in range(7)]
+    while not all(len(t.stamps) >= 4 for t in live) and not all(r.done() for r in running):
+        await asyncio.sleep(0.02)  # until every running stream is mid-generation
+    window_start = time.perf_counter()
+    busy = (await stream(stub, 99, 4)).ttft
+    for j in range(3):  # more joiners, one after another, while the 7 run
+        await stream(stub, 20 + j, 4)
+    window_end = time.perf_counter()
+    traces = await asyncio.gather(*running)
+    gaps = [g for t in traces for g in t.gaps(window_start, window_end)]
+    steady = [g for t in traces for g in t.gaps(window_end)]
+    return {
+        "idle_ttft_s": statistics.median(idle),
+        "busy_ttft_s": busy,
+        "ttft_ratio": busy / statistics.median(idle),
+        "itl_p50_s": pct(gaps, 0.5),
+        "itl_p99_s": pct(gaps, 0.99),
+        "itl_p99_over_p50": pct(gaps, 0.99) / pct(gaps, 0.5),
+        "itl_steady_p50_s": pct(steady, 0.5),
+        "joins_finished_before_running": all(window_end < t.stamps[-1] for t in traces),
+    }
+
+
+def service_arm(mode: str, streams: list[int], tokens: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["--embed-model", "none", "--compilation-mode", mode]
+        with running_service(args, Path(tmp)) as svc:
+            print(f"[{mode}] SERVING after {svc.warm_s:.0f} s", flush=True)
+
+            async def run() -> dict:
+                async with grpc.aio.insecure_channel(svc.target) as channel:
+                    stub = inference_pb2_grpc.InferenceStub(channel)
+                    await stream(stub, 0, 8)  # not measured
+                    rows = []
+                    for n in streams:
+                        rows.append(await concurrency(stub, n, tokens))
+                        print(f"[{mode}] {n:>2} streams: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+                    return {"curve": rows, "joins": await joins(stub, tokens)}
+
+            return {"warm_s": svc.warm_s, **asyncio.run(run())}
+
+
+def transformers_arm(streams: list[int], tokens: int) -> dict:
+    """Stock transformers: one batched greedy generate() of N prompts (left-padded)."""
+    from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
+
+    model, tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
+    model.eval()
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    rows = []
+    for n in [1, *streams]:  # the first, alone, is not measured
+        texts = [tok.apply_chat_template(chat(i), add_generation_prompt=True, tokenize=False)
+                 for i in range(n)]  # fmt: skip
+        batch = tok(texts, return_tensors="pt", padding=True)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**batch, max_new_tokens=tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)  # fmt: skip
+        wall = time.perf_counter() - start
+        new = out[:, batch["input_ids"].shape[1] :]
+        produced = 0
+        for row in new.tolist():
+            produced += row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+        rows.append({"streams": n, "tok_s": produced / wall, "latency_s": wall})
+        if len(rows) > 1:
+            print(f"[transformers] {n:>2} streams: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
+    return {"curve": rows[1:]}
+
+
+def llama_cpp_arm(tokens: int) -> dict | None:
+    """llama.cpp on the same GGUF file and thread count, one stream; None if not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        print("[llama.cpp] not installed (pip install '.[peer]'): skipped", flush=True)
+        return None
+    from inference_svc.models.loading import gguf_file, resolve_lm_dir
+
+    directory = resolve_lm_dir("default")
+    threads = torch.get_num_threads()
+    llm = Llama(str(directory / gguf_file(directory)), n_threads=threads, n_ctx=1024,
+                verbose=False, seed=0)  # fmt: skip
+    rates = []
+    for i in range(4):  # the first is not measured
+        start = time.perf_counter()
+        out = llm.create_chat_completion(chat(i), max_tokens=tokens, temperature=0.0)
+        rate = out["usage"]["completion_tokens"] / (time.perf_counter() - start)
+        rates.append(rate)
+    rate = statistics.median(rates[1:])
+    print(f"[llama.cpp] 1 stream: {rate:.1f} tok/s ({threads} threads)", flush=True)
+    return {"curve": [{"streams": 1, "tok_s": rate}], "threads": threads}
+
+
+def report(results: dict) -> None:
+    curves = {name: r["curve"] for name, r in results["systems"].items() if r}
+    streams = sorted({row["streams"] for c in curves.values() for row in c})
+    print("\naggregate tokens/s by concurrent streams")
+    print(f"{'system':<18}" + "".join(f"{n:>9}" for n in streams))
+    for name, curve in curves.items():
+        by = {row["streams"]: row["tok_s"] for row in curve}
+        print(f"{name:<18}" + "".join(f"{by[n]:>9.1f}" if n in by else f"{'':>9}" for n in streams))
+    llama = results["systems"].get("llama.cpp")
+    for name, r in results["systems"].items():
+        if not name.startswith("service") or not r:
+            continue
+        by = {row["streams"]: row["tok_s"] for row in r["curve"]}
+        j = r["joins"]
+        print(f"\n{name}:")
+        if 1 in by and 8 in by:
+            print(f"  8 streams / 1 stream tokens/s:        {by[8] / by[1]:.2f}  (goal >= 3)")
+        if llama and 8 in by:
+            peer = llama["curve"][0]["tok_s"]
+            print(f"  8 streams / llama.cpp single stream:  {by[8] / peer:.2f}  (goal >= 1)")
+        print(f"  TTFT mid-generation / idle:           {j['ttft_ratio']:.2f}  (goal <= 3; "
+              f"{j['busy_ttft_s']:.2f} s vs {j['idle_ttft_s']:.2f} s)")  # fmt: skip
+        print(f"  ITL while others join p99 / p50:      {j['itl_p99_over_p50']:.2f}  (goal <= 3; "
+              f"p50 {j['itl_p50_s'] * 1e3:.0f} ms)")  # fmt: skip
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in results["systems"].items():
+        if not r:
+            continue
+        xs = [row["streams"] for row in r["curve"]]
+        ys = [row["tok_s"] for row in r["curve"]]
+        if len(xs) == 1:
+            ax.axhline(ys[0], linestyle="--", color="grey", label=f"{name} (1 stream)")
+        else:
+            ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("aggregate tokens/s")
+    ax.set_title(f"SmolLM2-135M, greedy, {results['tokens']} new tokens, "
+                 f"{results['threads']} CPU threads")  # fmt: skip
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="none,default", help="service compilation modes")
+    p.add_argument("--streams", default="1,2,4,8,16", help="concurrency levels")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
+    p.add_argument("--no-peers", action="store_true", help="the service only")
+    a = p.parse_args(argv)
+    streams = [int(n) for n in a.streams.split(",")]
+    results: dict = {"tokens": a.tokens, "threads": torch.get_num_threads(), "systems": {}}
+    for mode in a.modes.split(","):
+        results["systems"][f"service ({mode})"] = service_arm(mode, streams, a.tokens)
+    if not a.no_peers:
+        results["systems"]["transformers"] = transformers_arm(streams, a.tokens)
+        results["systems"]["llama.cpp"] = llama_cpp_arm(a.tokens)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "throughput.json").write_text(json.dumps(results, indent=2))
+    report(results)
+    try:
+        plot(results, RESULTS / "throughput.png")
+        print(f"\nwrote {RESULTS / 'throughput.png'} and throughput.json")
+    except ImportError:
+        print("\nmatplotlib not installed (pip install '.[bench]'): no plot")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
