@@ -98,7 +98,7 @@ class EngineCollector(Collector):
 
     def _workers(self) -> Iterator[object]:
         depth = GaugeMetricFamily(
-            "inference_queue_depth", "Requests waiting for the model thread", labels=["model"]
+            "inference_queue_depth", "Requests waiting for their model", labels=["model"]
         )
         rows = GaugeMetricFamily(
             "inference_rows_in_use",

@@ -28,6 +28,7 @@ from inference_svc.engine.gate import ServingGate
 from inference_svc.engine.generative import GenerativeRuntime
 from inference_svc.engine.runtime import ModelRuntime, StepReport
 from inference_svc.engine.types import RuntimeInfo
+from inference_svc.engine.worker import COMPUTE
 from inference_svc.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class Engine:
         for spec in runtime_specs(self.config, self.monitor):
             log.info("loading model %s (%s)", spec.name, spec.kind.value)
             start = time.perf_counter()
-            self.runtimes[spec.name] = spec.load()
+            # On the compute thread: it is the only thread that runs torch's parallel
+            # kernels in this process (engine/worker.py says why).
+            self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
             took = time.perf_counter() - start
             self.loaded.append(LoadedModel(spec.name, spec.kind, took))
             log.info("loaded model %s in %.1f s", spec.name, took)

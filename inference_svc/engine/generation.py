@@ -4,7 +4,7 @@ of the static KV cache.
 Each request holds one cache row from its admission to its last token; its slots are its
 positions (slot i holds the token at position i), so rows of different lengths and ages
 decode together: a decode step writes each row at its own slot and masks each row to its
-own slots. One scheduler iteration, on the model's thread:
+own slots. One scheduler iteration, one turn on the compute thread (engine/worker.py):
 
 1. reap: a cancelled request (a client gone, a deadline passed) frees its row now;
 2. admit: waiting requests take the lowest free rows, oldest first (FIFO, no starvation);
@@ -116,6 +116,7 @@ class GenerateWorker(ModelWorker[GenJob]):
         self._free: list[int] = []  # free rows (a heap: lowest first)
         self._rows = 0  # the cache rows the free list was built for
         self._logits: Tensor | None = None  # [rows, vocab]: each row's next distribution
+        self._calls: deque[_Call] = deque()  # warmup steps: they run when no row is busy
         super().__init__(model.name, max_queue)
 
     def prepare(self, params: GenerateParams) -> list[int]:
@@ -135,38 +136,35 @@ class GenerateWorker(ModelWorker[GenJob]):
     def fail(self, job: GenJob, exc: BaseException) -> None:
         job.emit(exc)
 
-    # -- the scheduler loop ---------------------------------------------------------
-    @torch.inference_mode()  # everything here (the logits buffer too) is an inference tensor
-    def _loop(self) -> None:
-        calls: deque[_Call] = deque()
-        while True:
-            idle = not self.seqs and not self._pending and not calls
-            if not self._drain(calls, block=idle):
-                break
-            self._reap()
-            if calls and not self.seqs:
-                self._run_call(calls.popleft())
-                continue
-            if not calls:
-                self._admit()
-            if self.seqs:
-                self._iterate()
-        self._shut_down()
-
-    def _drain(self, calls: deque[_Call], block: bool) -> bool:
-        """Move what arrived into the waiting list and the call queue; False on stop."""
-        try:
-            item = self._queue.get() if block else self._queue.get_nowait()
-            while True:
-                if item is None:
-                    return False
-                if isinstance(item, _Call):
-                    calls.append(item)
-                else:
-                    self._pending.append(item)
-                item = self._queue.get_nowait()
-        except queue.Empty:
+    # -- the scheduler: one iteration per turn on the compute thread ----------------
+    def poll(self) -> bool:
+        if not self._drain():
+            self._shut_down()
             return True
+        self._reap()
+        if self._calls and not self.seqs:
+            self._calls.popleft().run()
+            return True
+        if not self._calls:
+            self._admit()
+        if self.seqs:
+            self._iterate()
+            return True
+        return False
+
+    def _drain(self) -> bool:
+        """Move what arrived into the waiting list and the call queue; False on stop."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            if isinstance(item, _Call):
+                self._calls.append(item)
+            else:
+                self._pending.append(item)
 
     def _reap(self) -> None:
         for seq in [s for s in self.seqs if s.gone]:
@@ -283,6 +281,7 @@ class GenerateWorker(ModelWorker[GenJob]):
         for job in self._pending:
             self.fail(job, stopped)
         self._pending.clear()
+        self._retire()
 
 
 def random_logits(batch: int, vocab: int, gen: torch.Generator, device: torch.device) -> Tensor:

@@ -88,7 +88,7 @@ class ModelRuntime(Protocol):
         """Every shape the runtime can batch a request into: what COMPILE must run."""
 
     async def warm(self, step: Step) -> StepReport:
-        """Run one warmup step (PROFILE, COMPILE or SAMPLER) on the model's thread."""
+        """Run one warmup step (PROFILE, COMPILE or SAMPLER) on the compute thread."""
 
     def info(self) -> RuntimeInfo: ...
 

@@ -1,4 +1,4 @@
-"""The warmup steps: PROFILE, COMPILE and SAMPLER, each run on the model's thread.
+"""The warmup steps: PROFILE, COMPILE and SAMPLER, each run on the compute thread.
 
 Each step is idempotent (what already ran is not run again) and reports what it
 ran, what it skipped and why, how long it took and the compile events it caused.

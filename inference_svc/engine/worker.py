@@ -1,11 +1,21 @@
-"""One thread per model: all of a model's work (requests and warmup) runs there.
+"""One compute thread per process: every model's work (loading, requests, warmup) runs there.
 
-Everything on that thread runs under ``torch.inference_mode()``, requests and
-warmup alike, so the tensors a warmup step compiles with are of the same kind
-(inference tensors) as a request's: a compiled graph guards on that.
+Why one thread for all models, not one per model: torch's CPU kernels run their parallel
+regions on OpenMP (libgomp). Each long-lived thread that enters parallel regions gets its own
+team of OpenMP threads; with two such threads alive on a machine with few cores, libgomp
+throttles its spin-waiting and every parallel region pays a futex wake-up. Measured on 2
+cores: a 576x1536 matrix-vector product takes 35 us on the only compute thread and 120-150
+us on a second one (a SmolLM2 decode step: 30 ms against 53 ms). One compute thread keeps
+the whole machine's cores for each forward; the models take turns, one batch (Embed) or one
+scheduler iteration (Generate) at a time, which is what two models on the same cores would
+do anyway.
 
-Model work never runs on the event loop, so health checks answer while a
-forward pass runs; and requests and warmup steps of one model never overlap.
+Everything on that thread runs under ``torch.inference_mode()``, requests and warmup
+alike, so the tensors a warmup step compiles with are of the same kind (inference tensors)
+as a request's: a compiled graph guards on that.
+
+Model work never runs on the event loop, so health checks answer while a forward pass
+runs; and requests and warmup steps of one model never overlap.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from inference_svc.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 J = TypeVar("J")
+T = TypeVar("T")
 
 
 class _Call:
@@ -31,20 +42,88 @@ class _Call:
         self.fn = fn
         self.future: Future[Any] = Future()
 
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            with torch.inference_mode():
+                self.future.set_result(self.fn())
+        except BaseException as exc:
+            self.future.set_exception(exc)
+
+
+class ComputeThread:
+    """The thread that runs every model's work; workers take turns (``poll``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._workers: list[ModelWorker[Any]] = []
+        self._calls: queue.Queue[_Call] = queue.Queue()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def register(self, worker: ModelWorker[Any]) -> None:
+        with self._lock:
+            self._workers.append(worker)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+                self._thread.start()
+
+    def unregister(self, worker: ModelWorker[Any]) -> None:
+        with self._lock:
+            if worker in self._workers:
+                self._workers.remove(worker)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def run(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the compute thread (e.g. loading a model), between two turns."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+                self._thread.start()
+        call = _Call(fn)
+        self._calls.put(call)
+        self.wake()
+        return call.future
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                self._wake.clear()  # a wake() from here on makes the wait below return
+                busy = False
+                while not self._calls.empty():
+                    self._calls.get_nowait().run()
+                    busy = True
+                with self._lock:
+                    workers = list(self._workers)
+                for worker in workers:
+                    try:
+                        busy |= worker.poll()
+                    except Exception:  # a bug in a worker must not stop the others
+                        log.exception("model %s: worker turn failed", worker.name)
+                if not busy:
+                    self._wake.wait()
+
+
+COMPUTE = ComputeThread()
+
 
 class ModelWorker(Generic[J]):
-    """A queue of jobs (batched by ``run_batch``) and calls (run alone, in order)."""
+    """A queue of jobs (batched by ``run_batch``) and calls (run alone, in order), served in
+    turns on the compute thread."""
 
     def __init__(self, name: str, max_queue: int) -> None:
         self.name = name
         self.max_queue = max_queue
         self._queue: queue.Queue[J | _Call | None] = queue.Queue()
         self._pending: list[J] = []
+        self._stopped = threading.Event()
         # What metrics read at scrape time: batches run by their rows, rows running now.
         self.batches_by_rows: Counter[int] = Counter()
         self.rows_in_use = 0
-        self._thread = threading.Thread(target=self._loop, name=f"model-{name}", daemon=True)
-        self._thread.start()
+        COMPUTE.register(self)
 
     def submit(self, job: J) -> None:
         if self.depth() >= self.max_queue:
@@ -52,16 +131,23 @@ class ModelWorker(Generic[J]):
                 f"model {self.name}: {self.max_queue} requests already queued; retry later"
             )
         self._queue.put(job)
+        COMPUTE.wake()
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Run ``fn`` on this model's thread, between batches."""
+        """Run ``fn`` on the compute thread, between this model's batches."""
         item = _Call(fn)
         self._queue.put(item)
+        COMPUTE.wake()
         return item.future
 
     def stop(self) -> None:
         self._queue.put(None)
-        self._thread.join(timeout=30)
+        COMPUTE.wake()
+        self._stopped.wait(timeout=30)
+
+    def depth(self) -> int:
+        """Requests waiting for the model (queued, or held back from a full batch)."""
+        return self._queue.qsize() + len(self._pending)
 
     # -- to implement ---------------------------------------------------------
     def batch_size_of(self, job: J) -> int:
@@ -73,7 +159,37 @@ class ModelWorker(Generic[J]):
     def run_batch(self, jobs: list[J]) -> None:
         raise NotImplementedError
 
-    # -- the loop -----------------------------------------------------------------
+    def fail(self, job: J, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    # -- one turn on the compute thread ---------------------------------------------
+    def poll(self) -> bool:
+        """Run one batch or one call, if any is waiting; False when there was nothing."""
+        if self._pending:
+            item: J | _Call | None = self._pending.pop(0)
+        else:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+        if item is None:
+            self._retire()
+            return True
+        if isinstance(item, _Call):
+            item.run()
+            return True
+        jobs, call, stopping = self._take_batch(item)
+        self._run_jobs(jobs)
+        if call is not None:
+            call.run()
+        if stopping:
+            self._retire()
+        return True
+
+    def _retire(self) -> None:
+        COMPUTE.unregister(self)
+        self._stopped.set()
+
     def _take_batch(self, first: J) -> tuple[list[J], _Call | None, bool]:
         jobs, used, limit = [first], self.batch_size_of(first), self.capacity()
         while True:
@@ -91,30 +207,6 @@ class ModelWorker(Generic[J]):
             jobs.append(item)
             used += self.batch_size_of(item)
 
-    def _next(self) -> J | _Call | None:
-        if self._pending:
-            return self._pending.pop(0)
-        return self._queue.get()
-
-    def _loop(self) -> None:
-        stopping = False
-        while not stopping:
-            item = self._next()
-            if item is None:
-                break
-            call = None
-            if isinstance(item, _Call):
-                call = item
-            else:
-                jobs, call, stopping = self._take_batch(item)
-                self._run_jobs(jobs)
-            if call is not None:
-                self._run_call(call)
-
-    def depth(self) -> int:
-        """Requests waiting for the model thread (queued, or held back from a full batch)."""
-        return self._queue.qsize() + len(self._pending)
-
     def _run_jobs(self, jobs: list[J]) -> None:
         rows = sum(self.batch_size_of(job) for job in jobs)
         self.batches_by_rows[rows] += 1
@@ -128,16 +220,3 @@ class ModelWorker(Generic[J]):
                 self.fail(job, exc)
         finally:
             self.rows_in_use = 0
-
-    @staticmethod
-    def _run_call(call: _Call) -> None:
-        if not call.future.set_running_or_notify_cancel():
-            return
-        try:
-            with torch.inference_mode():
-                call.future.set_result(call.fn())
-        except BaseException as exc:
-            call.future.set_exception(exc)
-
-    def fail(self, job: J, exc: BaseException) -> None:
-        raise NotImplementedError
