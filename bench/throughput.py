@@ -266,6 +266,8 @@ def plot(results: dict, path: Path) -> None:
         else:
             ax.plot(xs, ys, marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ticks = sorted({row["streams"] for r in results["systems"].values() if r for row in r["curve"]})
+    ax.set_xticks(ticks, [str(t) for t in ticks])
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("aggregate tokens/s")
     ax.set_title(f"SmolLM2-135M, greedy, {results['tokens']} new tokens, "
@@ -282,10 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,2,4,8,16", help="concurrency levels")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
+    p.add_argument("--replot", action="store_true", help="table and plot of the last results")
     p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.llama_child:
         llama_cpp_child(a.tokens)
+        return 0
+    if a.replot:
+        results = json.loads((RESULTS / "throughput.json").read_text())
+        report(results)
+        plot(results, RESULTS / "throughput.png")
         return 0
     streams = [int(n) for n in a.streams.split(",")]
     results: dict = {"tokens": a.tokens, "threads": cpu_threads(), "systems": {}}
