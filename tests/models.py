@@ -25,7 +25,7 @@ def build_tiny_lm(directory: Path) -> Path:
     del _hf
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
+        hidden_size=96,  # head_dim 24: no bucket size (a power of two) equals it
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,

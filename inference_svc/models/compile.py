@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx.experimental import _config as fx_config
 
 from inference_api.plan import CompilationMode
 
@@ -26,18 +24,7 @@ def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., A
     """
     if mode is CompilationMode.NONE:
         return fn
-    compiled = torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
-
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        # No "duck sizing": two dimensions equal in the first call (a chunk of 32 tokens
-        # against a context of 32 slots, a batch of 16 rows and a head of 16) must not
-        # become one symbol, or other buckets recompile. Torch's config overrides are
-        # per thread, so the setting goes with every call, on whichever thread runs it.
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
-
-    return call
+    return torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
 
 
 def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:

@@ -61,7 +61,7 @@ class GenerativeModel:
     # -- cache -------------------------------------------------------------
     @property
     def cache_rows(self) -> int:
-        return 0 if self.k_cache is None else self.k_cache[0].shape[0]
+        return 0 if self.k_cache is None else self.k_cache[0].shape[0] - 1
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -81,9 +81,10 @@ class GenerativeModel:
             )
         s = self.lm.shape
         # Rows first: a batch's rows, cache[:b], are one contiguous block of each layer.
-        # One slot more than any context bucket: every view a forward gets ([:b, :, :L])
-        # has the same stride pattern, so a compiled graph does not specialise on L == slots.
-        dims = (rows, s.num_kv_heads, self.limits.max_seq_len + 1, s.head_dim)
+        # One row and one slot more than any batch or context bucket: a compiled graph
+        # sees views of this tensor (and guards on its base's sizes), so no view's batch or
+        # context may equal the base's, or the graph specialises on that equality.
+        dims = (rows + 1, s.num_kv_heads, self.limits.max_seq_len + 1, s.head_dim)
         opts = {"dtype": self.dtype, "device": self.device}
         self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
         self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
@@ -147,7 +148,9 @@ class GenerativeModel:
         d = self.device
         with self.monitor.context(self.name, f"prefill/{origin.value}", str(shape)):
             self._seen(shape, origin)
-            return self._prefill(tokens.to(d), positions.to(d), last.to(d), keys, values)
+            tokens, positions = tokens.to(d), positions.to(d)
+            self._vary(tokens, positions, dim=1)  # the chunk's width
+            return self._prefill(tokens, positions, last.to(d), keys, values)
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: list[int], origin: Origin) -> Tensor:
@@ -161,7 +164,17 @@ class GenerativeModel:
         d = self.device
         with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
             self._seen(shape, origin)
-            return self._decode(ids.to(d), pos.to(d), keys, values)
+            ids, pos = ids.to(d), pos.to(d)
+            self._vary(ids, pos, dim=0)  # the batch
+            return self._decode(ids, pos, keys, values)
+
+    def _vary(self, ids: Tensor, positions: Tensor, dim: int) -> None:
+        """Mark the dimension that varies between buckets as dynamic: its own symbol, never
+        merged with another dimension that happens to have the same size in the first
+        compile (torch's "duck sizing" would merge a 64-token chunk with head_dim 64)."""
+        if self.mode is not CompilationMode.NONE:
+            torch._dynamo.maybe_mark_dynamic(ids, dim)
+            torch._dynamo.maybe_mark_dynamic(positions, dim)
 
     def _seen(self, shape: Bucket, origin: Origin) -> None:
         if origin is Origin.REQUEST:
