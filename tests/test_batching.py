@@ -69,6 +69,23 @@ async def test_seeded_and_greedy_tokens_do_not_depend_on_when_they_join(svc, joi
         s.cancel()
 
 
+async def test_unseeded_tokens_do_not_depend_on_greedy_neighbours_or_free_rows(svc):
+    """An unseeded request draws from the global generator; greedy rows, padding rows and
+    free rows draw nothing, so after the same Reseed it gets the same tokens beside three
+    running greedy streams (in row 3 of a 4-row step) as alone (row 0 of a 1-row step)."""
+    _service, c = svc
+    unseeded = request(5, tokens=12, temperature=0.9, top_k=50)
+    await c.admin.Reseed(apb.ReseedRequest(seed=77, rewarm=True))
+    alone = await tokens_of(c, unseeded)
+    await c.admin.Reseed(apb.ReseedRequest(seed=77, rewarm=True))
+    streams = [c.inference.GenerateStream(request(3 + i, tokens=40)) for i in range(3)]
+    await asyncio.gather(*(until_tokens(s, 2) for s in streams))
+    beside = await tokens_of(c, unseeded)
+    for s in streams:
+        s.cancel()
+    assert beside == alone
+
+
 async def test_a_full_batch_gives_each_row_its_own_tokens(svc):
     _service, c = svc
     reqs = [request(2 + 3 * i, seed=100 + i) for i in range(ROWS)]
