@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from inference_api.convert import bucket_from_pb
+from inference_api.plan import Bucket
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import start_service, tiny_args
@@ -163,11 +164,16 @@ async def mixed_arrivals(
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
+async def shapes_ran_and_listed(service, c) -> tuple[set[Bucket], set[Bucket]]:
+    """The shapes requests ran on the generative model, and the buckets Describe lists."""
+    described = await c.admin.Describe(apb.DescribeRequest())
+    profile = next(m for m in described.models if m.name == "generative")
+    ran = service.engine.runtimes["generative"].model.request_shapes
+    return set(ran), {bucket_from_pb(b) for b in profile.buckets}
+
+
 async def test_requests_only_run_shapes_describe_lists(svc):
     service, c = svc
     await mixed_arrivals(c, random.Random(3), 40, max_words=30)
-    described = await c.admin.Describe(apb.DescribeRequest())
-    profile = next(m for m in described.models if m.name == "generative")
-    listed = {bucket_from_pb(b) for b in profile.buckets}
-    ran = service.engine.runtimes["generative"].model.request_shapes
+    ran, listed = await shapes_ran_and_listed(service, c)
     assert ran and ran <= listed, sorted(map(str, ran - listed))

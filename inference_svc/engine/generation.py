@@ -45,7 +45,6 @@ from inference_svc.engine.rowstate import RowState
 from inference_svc.engine.types import GenChunk, GenerateParams, TokenLogprob
 from inference_svc.engine.worker import ModelWorker, _Call
 from inference_svc.errors import InvalidArgument, Unavailable
-from inference_svc.models.compile import bucket_for
 from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import Sampler, SamplerOutput, SamplingMetadata
 
@@ -114,7 +113,6 @@ class GenerateWorker(ModelWorker[GenJob]):
         self.logprobs_mode = mode
         self.seqs: list[Seq] = []  # admitted, in admission order
         self._free: list[int] = []  # free rows (a heap: lowest first)
-        self._rows = 0  # the cache rows the free list was built for
         self._logits: Tensor | None = None  # [rows, vocab]: each row's next distribution
         self._calls: deque[_Call] = deque()  # warmup steps: they run when no row is busy
         super().__init__(model.name, max_queue)
@@ -178,10 +176,9 @@ class GenerateWorker(ModelWorker[GenJob]):
 
     def _admit(self) -> None:
         m = self.model
-        if m.cache_rows != self._rows:  # sized (or resized) by PROFILE since
-            self._rows = m.cache_rows
-            self._free = list(range(self._rows))
-            self._logits = torch.zeros(self._rows, m.lm.shape.vocab_size, device=m.device)
+        if self._logits is None or len(self._logits) != m.cache_rows:  # (re)sized by PROFILE
+            self._free = list(range(m.cache_rows))
+            self._logits = torch.zeros(m.cache_rows, m.lm.shape.vocab_size, device=m.device)
         while self._pending and self._free:
             job = self._pending.pop(0)
             row = heapq.heappop(self._free)
@@ -218,7 +215,7 @@ class GenerateWorker(ModelWorker[GenJob]):
         if not ready:
             return []
         assert self._logits is not None
-        batch = bucket_for(max(s.row for s in ready) + 1, self.model.usable_batch_buckets())
+        batch = self.model.batch_bucket(max(s.row for s in ready) + 1)
         params: list[GenerateParams | None] = [None] * batch
         gens: dict[int, torch.Generator] = {}
         for s in ready:
@@ -247,7 +244,7 @@ class GenerateWorker(ModelWorker[GenJob]):
         if not going:
             return
         m = self.model
-        batch = bucket_for(max(s.row for s, _ in going) + 1, m.usable_batch_buckets())
+        batch = m.batch_bucket(max(s.row for s, _ in going) + 1)
         tokens = [m.pad_id] * batch
         positions = [0] * batch
         for s in self.seqs:

@@ -65,9 +65,12 @@ class ComputeThread:
     def register(self, worker: ModelWorker[Any]) -> None:
         with self._lock:
             self._workers.append(worker)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
-                self._thread.start()
+            self._start()
+
+    def _start(self) -> None:  # under the lock
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
+            self._thread.start()
 
     def unregister(self, worker: ModelWorker[Any]) -> None:
         with self._lock:
@@ -80,9 +83,7 @@ class ComputeThread:
     def run(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the compute thread (e.g. loading a model), between two turns."""
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="compute", daemon=True)
-                self._thread.start()
+            self._start()
         call = _Call(fn)
         self._calls.put(call)
         self.wake()

@@ -97,6 +97,10 @@ class GenerativeModel:
     def usable_batch_buckets(self) -> tuple[int, ...]:
         return tuple(b for b in self.batch_buckets if b <= max(self.cache_rows, 2))
 
+    def batch_bucket(self, rows: int) -> int:
+        """The batch a step over cache rows [0, rows) runs at (decode and the sampler)."""
+        return bucket_for(rows, self.usable_batch_buckets())
+
     # -- text --------------------------------------------------------------
     def encode(self, prompt: str, messages: list[dict[str, str]]) -> list[int]:
         tok = self.tokenizer
@@ -130,7 +134,7 @@ class GenerativeModel:
     def decode_shape(self, rows: int, top: int) -> Bucket:
         """The padded shape of a decode step over cache rows [0, rows) whose highest
         written slot is ``top``."""
-        batch = bucket_for(rows, self.usable_batch_buckets())
+        batch = self.batch_bucket(rows)
         return Bucket(Phase.DECODE, batch, 1, bucket_for(top + 1, self.context_buckets))
 
     @torch.inference_mode()
