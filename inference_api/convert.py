@@ -138,6 +138,7 @@ def profile_from_pb(pb: admin_pb2.ModelProfile) -> plan.ModelProfile:
         compilation_mode=mode,
         logprobs_mode=logprobs,
         buckets=tuple(bucket_from_pb(b, pb.name) for b in pb.buckets),
+        numerics=pb.numerics,
     )
 
 
@@ -165,6 +166,7 @@ def profile_to_pb(
         logprobs_mode=to_pb(p.logprobs_mode),
         buckets=[bucket_to_pb(b) for b in p.buckets],
         compiled_buckets=[bucket_to_pb(b) for b in compiled],
+        numerics=p.numerics,
     )
 
 

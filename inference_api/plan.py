@@ -82,6 +82,8 @@ class ModelProfile:
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     # The shapes the service batches into: what COMPILE runs.
     buckets: tuple[Bucket, ...] = ()
+    # What the graphs compute in ("float32", "bfloat16+int8"): COMPILE warms these numerics.
+    numerics: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,16 +127,18 @@ def _model_steps(p: ModelProfile) -> tuple[list[Step], list[Step]]:
         steps.append(Step(StepKind.PROFILE, p.name, reason=why))
 
     n = len(p.buckets)
+    numerics = f" in {p.numerics}" if p.numerics else ""
     if not compiled:
         skipped.append(Step(StepKind.COMPILE, p.name, reason="compilation mode NONE"))
     elif not p.has_kv_cache:
-        why = f"{n} shape buckets; no KV-cache profile run would compile this model"
+        why = f"{n} shape buckets{numerics}; no KV-cache profile run would compile this model"
         steps.append(Step(StepKind.COMPILE, p.name, reason=why))
     elif p.kv_cache_explicit:
-        why = f"{n} prefill/decode buckets (KV-cache size explicit: no PROFILE run compiles any)"
+        why = f"{n} prefill/decode buckets{numerics}"
+        why += " (KV-cache size explicit: no PROFILE run compiles any)"
         steps.append(Step(StepKind.COMPILE, p.name, reason=why))
     else:
-        why = f"{n} prefill/decode buckets, except those PROFILE already compiled"
+        why = f"{n} prefill/decode buckets{numerics}, except those PROFILE already compiled"
         steps.append(Step(StepKind.COMPILE, p.name, reason=why))
 
     if not generative:

@@ -116,8 +116,9 @@ class EmbeddingRuntime(RuntimeBase):
         return warmup.embed_buckets(self.model)
 
     def profile(self) -> ModelProfile:
+        m = self.model
         return ModelProfile(
-            self.name, self.kind, False, False, self.model.mode, buckets=self.buckets()
+            self.name, self.kind, False, False, m.mode, buckets=self.buckets(), numerics=m.numerics
         )
 
     async def warm(self, step: Step) -> StepReport:
@@ -155,7 +156,7 @@ class EmbeddingRuntime(RuntimeBase):
             max_new_tokens=0,
             has_kv_cache=False,
             vocab_size=m.vocab_size,
-            dtype=str(m.dtype).removeprefix("torch."),
+            dtype=m.numerics,
             device=str(m.device),
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],

@@ -81,7 +81,15 @@ def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRun
     directory = resolve_lm_dir(c.lm_model)
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
     model = load_generative(
-        LM_NAME, directory, limits, c.compilation_mode, monitor, device, dtype, cache
+        LM_NAME,
+        directory,
+        limits,
+        c.compilation_mode,
+        monitor,
+        device,
+        dtype,
+        cache,
+        c.lm_quantization,
     )
     if c.kv_cache_tokens is not None:
         model.allocate_cache(c.kv_cache_tokens)

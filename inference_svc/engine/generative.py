@@ -80,6 +80,7 @@ class GenerativeRuntime(RuntimeBase):
             self.model.mode,
             self.logprobs_mode,
             self.buckets(),
+            self.model.numerics,
         )
 
     async def warm(self, step: Step) -> StepReport:
@@ -151,7 +152,7 @@ class GenerativeRuntime(RuntimeBase):
             max_new_tokens=m.limits.max_new_tokens,
             has_kv_cache=True,
             vocab_size=m.lm.shape.vocab_size,
-            dtype=str(m.dtype).removeprefix("torch."),
+            dtype=m.numerics,
             device=str(m.device),
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],

@@ -75,6 +75,7 @@ class EmbeddingModel:
         self.monitor = monitor
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.numerics = str(self.dtype).removeprefix("torch.")
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
         self.batch_buckets = batch_buckets(max_batch, mode)

@@ -14,6 +14,7 @@ from inference_svc.limits import GenLimits
 from inference_svc.models.compile import batch_buckets, bucket_for, compile_fn, length_buckets
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
+from inference_svc.models.quantize import numerics, quantize_linears
 
 log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -31,6 +32,7 @@ class GenerativeModel:
         mode: CompilationMode,
         monitor: CompileMonitor,
         eos_ids: frozenset[int],
+        quantization: str = "none",
     ) -> None:
         self.name = name
         self.lm = lm
@@ -43,6 +45,7 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.numerics = numerics(self.dtype, quantization)
         self.batch_buckets = batch_buckets(limits.max_batch, mode)
         # A prompt is prefilled in chunks of at most prefill_chunk tokens, each padded to
         # a chunk bucket; every forward attends to a context bucket of its row's slots.
@@ -164,13 +167,15 @@ class GenerativeModel:
         pad = shape.batch_size - len(positions)
         ids = torch.cat([tokens.cpu(), torch.full((pad,), self.pad_id)])[:, None]
         pos = torch.tensor(positions + [0] * pad)[:, None]
-        keys, values = self._view(slice(0, shape.batch_size), shape.context_len)
         d = self.device
         with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
             self._seen(shape, origin)
             ids, pos = ids.to(d), pos.to(d)
+            slots = torch.arange(shape.context_len, device=d)
             self._vary(ids, pos, dim=0)  # the batch
-            return self._decode(ids, pos, keys, values)
+            if self.mode is not CompilationMode.NONE:
+                torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
+            return self._decode(ids, pos, slots, self.k_cache, self.v_cache)
 
     def _vary(self, ids: Tensor, positions: Tensor, dim: int) -> None:
         """Mark the dimension that varies between buckets as dynamic: its own symbol, never
@@ -214,6 +219,7 @@ def load_generative(
     device: torch.device,
     dtype: torch.dtype,
     cache_dir: Path | None = None,
+    quantization: str = "none",
 ) -> GenerativeModel:
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -237,6 +243,7 @@ def load_generative(
     lm.tie_weights()
     del state
     lm = lm.to(device=device, dtype=dtype).eval()
+    quantize_linears(lm, quantization)
     eos = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)
     if gen_eos is not None:
@@ -244,4 +251,4 @@ def load_generative(
     elif config.eos_token_id is not None:
         eos.add(config.eos_token_id)
     eos.discard(None)
-    return GenerativeModel(name, lm, tokenizer, limits, mode, monitor, frozenset(eos))
+    return GenerativeModel(name, lm, tokenizer, limits, mode, monitor, frozenset(eos), quantization)

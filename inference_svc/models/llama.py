@@ -209,19 +209,23 @@ class LlamaLM(nn.Module):
         self,
         input_ids: Tensor,
         positions: Tensor,
+        slots: Tensor,
         k_cache: list[Tensor],
         v_cache: list[Tensor],
     ) -> Tensor:
         """One token per row [B, 1], each written at its own slot ``positions`` [B, 1].
 
-        ``k_cache``/``v_cache`` are the batch's rows and their first ``L`` slots
-        [B, kv_heads, L, head_dim] (a view: no copy); each row attends to the slots up to
-        its own position, so rows of different lengths and ages decode in one step.
+        ``k_cache``/``v_cache`` are the whole cache, one [rows, kv_heads, slots, head_dim]
+        tensor per layer; the step attends to its batch's rows and their first ``L`` slots,
+        ``L = len(slots)`` (``slots`` = arange(L)), each row to the slots up to its own
+        position, so rows of different lengths and ages decode in one step. The whole
+        cache comes in, not a view of it: a compiled graph then writes the new keys in
+        place (an in-place write into a view input is functionalised into a copy of the
+        whole view, every layer, every step).
         """
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
-        b = input_ids.shape[0]
-        slots = torch.arange(k_cache[0].shape[2], device=h.device)
+        b, n = input_ids.shape[0], slots.shape[0]
         mask = (slots[None, :] <= positions)[:, None, None, :]  # [B, 1, 1, L]
         rows = torch.arange(b, device=h.device)
         where = positions[:, 0]
@@ -231,5 +235,6 @@ class LlamaLM(nn.Module):
             keys, values = k_cache[i], v_cache[i]
             keys[rows, :, where] = k[:, :, 0]
             values[rows, :, where] = v[:, :, 0]
-            h = self._mlp_block(layer, h, attn.attend_one(q, keys, values, mask))
+            out = attn.attend_one(q, keys[:b, :, :n], values[:b, :, :n], mask)
+            h = self._mlp_block(layer, h, out)
         return self._logits(h[:, -1])
