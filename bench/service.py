@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,3 +65,12 @@ def running_service(args: list[str], tmp: Path, timeout: float = 1800) -> Iterat
             except subprocess.TimeoutExpired:
                 svc.kill()
                 svc.wait()
+
+
+def save_plot(plot: Callable[[dict, Path], None], results: dict, path: Path) -> None:
+    """``plot(results, path)``, or a note when matplotlib is missing."""
+    try:
+        plot(results, path)
+        print(f"\nwrote {path} and {path.with_suffix('.json').name}")
+    except ImportError:
+        print("\nmatplotlib not installed (pip install '.[bench]'): no plot")

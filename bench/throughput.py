@@ -40,7 +40,7 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.service import running_service  # noqa: E402
+from bench.service import running_service, save_plot  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
 
@@ -307,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         results["systems"][name] = arm()
         (RESULTS / "throughput.json").write_text(json.dumps(results, indent=2))  # so far
     report(results)
-    try:
-        plot(results, RESULTS / "throughput.png")
-        print(f"\nwrote {RESULTS / 'throughput.png'} and throughput.json")
-    except ImportError:
-        print("\nmatplotlib not installed (pip install '.[bench]'): no plot")
+    save_plot(plot, results, RESULTS / "throughput.png")
     return 0
 
 

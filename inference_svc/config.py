@@ -17,8 +17,8 @@ from pathlib import Path
 from inference_api.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
 from inference_api.plan import CompilationMode, LogprobsMode
 
-# Weight quantization of the generative model (inference_svc.models.quantize applies it).
-QUANTIZATIONS = ("none", "int8")
+# The generative model's linear-layer weights (inference_svc.models.weights applies them).
+LM_WEIGHTS = ("same", "bfloat16", "int4")
 
 ENV_PREFIX = "INFERENCE_SVC_"
 
@@ -51,7 +51,7 @@ class ServiceConfig:
     seed: int = 0  # global random state at start and the seed Describe hands to Reseed
     device: str = "auto"  # auto: cuda when available, else cpu
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    lm_quantization: str = "none"  # none, or int8 weights for the generative model
+    lm_weights: str = "same"  # linear layers of the LM: same as --dtype, bfloat16 or int4
     embed_max_batch: int = 32  # most inputs per Embed batch
     gen_max_batch: int = 16  # most sequences decoded together (KV-cache rows, memory allowing)
     prefill_chunk_tokens: int = 64  # most prompt tokens prefilled between two decode steps
@@ -134,10 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     f(
-        "--lm-quantization",
-        d.lm_quantization,
-        "generative model's linear weights: none, or int8 (pays in compiled modes)",
-        choices=list(QUANTIZATIONS),
+        "--lm-weights",
+        d.lm_weights,
+        "LM linear layers: same (as --dtype), bfloat16 or int4 (the rest stays --dtype)",
+        choices=list(LM_WEIGHTS),
     )
     f("--embed-max-batch", d.embed_max_batch, "most inputs per Embed batch", type=int)
     f(
@@ -229,7 +229,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         seed=int(a.seed),
         device=a.device,
         dtype=a.dtype,
-        lm_quantization=a.lm_quantization,
+        lm_weights=a.lm_weights,
         embed_max_batch=int(a.embed_max_batch),
         gen_max_batch=int(a.gen_max_batch),
         prefill_chunk_tokens=int(a.prefill_chunk_tokens),

@@ -89,7 +89,7 @@ def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRun
         device,
         dtype,
         cache,
-        c.lm_quantization,
+        c.lm_weights,
     )
     if c.kv_cache_tokens is not None:
         model.allocate_cache(c.kv_cache_tokens)

@@ -14,7 +14,7 @@ from inference_svc.limits import GenLimits
 from inference_svc.models.compile import batch_buckets, bucket_for, compile_fn, length_buckets
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
-from inference_svc.models.quantize import numerics, quantize_linears
+from inference_svc.models.weights import convert_linears, numerics
 
 log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -32,7 +32,7 @@ class GenerativeModel:
         mode: CompilationMode,
         monitor: CompileMonitor,
         eos_ids: frozenset[int],
-        quantization: str = "none",
+        weights: str = "same",
     ) -> None:
         self.name = name
         self.lm = lm
@@ -45,7 +45,7 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics(self.dtype, quantization)
+        self.numerics = numerics(self.dtype, weights)
         self.batch_buckets = batch_buckets(limits.max_batch, mode)
         # A prompt is prefilled in chunks of at most prefill_chunk tokens, each padded to
         # a chunk bucket; every forward attends to a context bucket of its row's slots.
@@ -219,7 +219,7 @@ def load_generative(
     device: torch.device,
     dtype: torch.dtype,
     cache_dir: Path | None = None,
-    quantization: str = "none",
+    weights: str = "same",
 ) -> GenerativeModel:
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     if config.model_type not in SUPPORTED_ARCHITECTURES:
@@ -243,7 +243,7 @@ def load_generative(
     lm.tie_weights()
     del state
     lm = lm.to(device=device, dtype=dtype).eval()
-    quantize_linears(lm, quantization)
+    convert_linears(lm, weights)
     eos = {tokenizer.eos_token_id}
     gen_eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)
     if gen_eos is not None:
@@ -251,4 +251,4 @@ def load_generative(
     elif config.eos_token_id is not None:
         eos.add(config.eos_token_id)
     eos.discard(None)
-    return GenerativeModel(name, lm, tokenizer, limits, mode, monitor, frozenset(eos), quantization)
+    return GenerativeModel(name, lm, tokenizer, limits, mode, monitor, frozenset(eos), weights)

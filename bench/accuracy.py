@@ -1,0 +1,165 @@
+"""Accuracy of each numerics option against the float32 model, in process.
+
+Generate: top-1 agreement. The float32 model (eager) writes a greedy continuation of
+each reference prompt; the option is teacher-forced along that continuation and its
+argmax compared with float32's at every position (prompt's last token included).
+Embed: cosine between the option's and float32's embedding of each reference text.
+
+    python bench/accuracy.py                 # eager options
+    python bench/accuracy.py --compiled      # the same through the compiled graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from inference_api.plan import CompilationMode
+from inference_svc.compile_monitor import CompileMonitor, Origin
+from inference_svc.limits import GenLimits
+from inference_svc.models.embedding import EmbeddingModel, load_embedding
+from inference_svc.models.generative import GenerativeModel, load_generative
+from inference_svc.models.loading import resolve_embed_dir, resolve_lm_dir
+
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "Explain what a KV cache is in one sentence.",
+    "def fibonacci(n):",
+    "List three prime numbers:",
+    "Translate 'good morning' into Spanish.",
+    "Once upon a time, in a small village,",
+    "What is 12 times 7?",
+    "The best way to learn a new language is",
+    "Summarise the plot of Romeo and Juliet.",
+    "Give one tip for writing clear code.",
+    "Why is the sky blue?",
+)
+TEXTS = (
+    "A man is eating food.",
+    "A cheetah is running behind its prey.",
+    "The new movie is awesome and the actors were great.",
+    "Gradient descent minimises a loss function step by step.",
+    "Il pleut depuis ce matin sur Paris.",
+    "def add(a, b): return a + b",
+    "Kubernetes restarts the container when its liveness probe fails.",
+    "short",
+    "The quick brown fox jumps over the lazy dog " * 12,
+    "Quarterly revenue grew 4 % while operating costs stayed flat.",
+)
+# (--dtype, --lm-weights) against float32 with its own weights
+LM_OPTIONS = (("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"))
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RESULTS = Path(__file__).parent / "results" / "accuracy.json"
+
+
+def load_lm(dtype: str, weights: str, mode: CompilationMode) -> GenerativeModel:
+    limits = GenLimits(max_batch=2, max_input_tokens=128, max_new_tokens=128, prefill_chunk=64)
+    model = load_generative(
+        "lm", resolve_lm_dir("default"), limits, mode, CompileMonitor(), torch.device("cpu"),
+        DTYPES[dtype], Path("~/.cache/inference-svc/models").expanduser(), weights,
+    )  # fmt: skip
+    model.allocate_cache(2 * limits.max_seq_len)
+    return model
+
+
+def prompt_ids(model: GenerativeModel, prompt: str) -> list[int]:
+    return model.encode("", [{"role": "user", "content": prompt}])
+
+
+def prefill(model: GenerativeModel, ids: list[int]) -> torch.Tensor:
+    """The whole prompt into row 0, chunk by chunk; logits after its last token."""
+    chunk = model.chunk_buckets[-1]
+    for start in range(0, len(ids), chunk):
+        logits = model.prefill(0, ids[start : start + chunk], start, Origin.WARMUP)
+    return logits
+
+
+def forced_argmax(model: GenerativeModel, ids: list[int], continuation: list[int]) -> list[int]:
+    """Argmax after the prompt and after each token of ``continuation`` (teacher forcing)."""
+    out = [int(prefill(model, ids)[0].argmax())]
+    for t, token in enumerate(continuation[:-1]):
+        logits = model.decode(torch.tensor([token]), [len(ids) + t], Origin.WARMUP)
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def greedy(model: GenerativeModel, ids: list[int], tokens: int) -> list[int]:
+    out = [int(prefill(model, ids)[0].argmax())]
+    while len(out) < tokens and out[-1] not in model.eos_ids:
+        logits = model.decode(torch.tensor([out[-1]]), [len(ids) + len(out) - 1], Origin.WARMUP)
+        out.append(int(logits[0].argmax()))
+    return out
+
+
+def lm_agreement(
+    reference: GenerativeModel, option: GenerativeModel, prompts: tuple[str, ...], tokens: int
+) -> float:
+    """Share of positions where ``option``'s top-1 token equals ``reference``'s."""
+    same = total = 0
+    for prompt in prompts:
+        ids = prompt_ids(reference, prompt)
+        want = greedy(reference, ids, tokens)
+        got = forced_argmax(option, ids, want)
+        same += sum(a == b for a, b in zip(want, got, strict=True))
+        total += len(want)
+    return same / total
+
+
+def load_embed(dtype: str, mode: CompilationMode) -> EmbeddingModel:
+    return load_embedding(
+        "e", resolve_embed_dir("default"), 16, mode, CompileMonitor(), torch.device("cpu"),
+        DTYPES[dtype],
+    )  # fmt: skip
+
+
+def embed(model: EmbeddingModel, texts: tuple[str, ...]) -> torch.Tensor:
+    rows = [model.truncate(r) if len(r) > model.max_input_tokens else r
+            for r in model.tokenize(list(texts))]  # fmt: skip
+    length = max(len(r) for r in rows)
+    ids = torch.full((len(rows), length), model.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    return model.forward(ids, mask, Origin.WARMUP)
+
+
+def embed_cosines(reference: EmbeddingModel, option: EmbeddingModel) -> list[float]:
+    return F.cosine_similarity(embed(reference, TEXTS), embed(option, TEXTS)).tolist()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--compiled", action="store_true", help="options through compiled graphs")
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    a = p.parse_args()
+    mode = CompilationMode.DEFAULT if a.compiled else CompilationMode.NONE
+    results: dict[str, dict] = {}
+    ref = load_lm("float32", "same", CompilationMode.NONE)
+    arms = [("float32", "same")] * a.compiled + list(LM_OPTIONS)
+    for dtype, weights in arms:
+        t0 = time.time()
+        option = load_lm(dtype, weights, mode)
+        agree = lm_agreement(ref, option, PROMPTS, a.tokens)
+        name = option.numerics
+        results[f"generate {name} {mode.value}"] = {"top1_agreement": agree}
+        print(f"Generate {name:>15} ({mode.value}): top-1 agreement {agree:.4f} "
+              f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
+    eref = load_embed("float32", CompilationMode.NONE)
+    for dtype in ("float32", "bfloat16")[1 - a.compiled :]:
+        cos = embed_cosines(eref, load_embed(dtype, mode))
+        results[f"embed {dtype} {mode.value}"] = {"cosine_min": min(cos),
+                                                   "cosine_mean": sum(cos) / len(cos)}  # fmt: skip
+        print(f"Embed {dtype:>17} ({mode.value}): cosine min {min(cos):.5f} "
+              f"mean {sum(cos) / len(cos):.5f}", flush=True)  # fmt: skip
+    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    RESULTS.write_text(json.dumps({**old, **results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Does compiled mode pay? The same load against the service in eager and compiled mode,
+for each numerics option, against in-process peers.
+
+One system after another (never two at once: they would share the CPU):
+  - Embed services (--lm-model none), each mode x {float32, --dtype bfloat16}: N clients
+    over gRPC, each one short text per call in a closed loop (1 and 32 clients);
+  - Generate services (--embed-model none), each mode x --lm-weights {same, bfloat16,
+    int4}: greedy GenerateStream, 64 new tokens, 1 stream and 8 concurrent streams;
+  - sentence-transformers in this process at batch 32 on the same texts, and llama.cpp
+    on the same GGUF file and threads, one stream (when installed).
+Prints the table and the goals' ratios, writes bench/results/compiled.json and
+compiled.png. bench/accuracy.py measures what each option costs in accuracy.
+
+  .venv/bin/python bench/compiled.py [--modes none,default] [--seconds 15] [--no-peers]
+
+A benchmark, not a test: it prints figures and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.embed_load import clients, sentence_transformers_batch  # noqa: E402
+from bench.service import running_service, save_plot  # noqa: E402
+from bench.throughput import concurrency, cpu_threads, llama_cpp_arm, stream  # noqa: E402
+from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+EMBED_OPTIONS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"]}
+LM_OPTIONS = {"float32": [], "bf16-linear": ["--lm-weights", "bfloat16"],
+              "int4-linear": ["--lm-weights", "int4"]}  # fmt: skip
+
+
+def embed_arm(mode: str, option: str, seconds: float) -> dict:
+    args = ["--lm-model", "none", "--compilation-mode", mode, *EMBED_OPTIONS[option]]
+    with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
+        out = {"warm_s": svc.warm_s}
+        for n in (1, 32):
+            out[f"clients_{n}"] = asyncio.run(clients(svc.target, n, seconds))
+            print(f"[embed {mode} {option}] {n:>2} clients: "
+                  f"{out[f'clients_{n}']['texts_s']:.0f} texts/s", flush=True)  # fmt: skip
+        return out
+
+
+def generate_arm(mode: str, option: str, tokens: int) -> dict:
+    args = ["--embed-model", "none", "--compilation-mode", mode, *LM_OPTIONS[option]]
+    with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
+
+        async def run() -> dict:
+            async with grpc.aio.insecure_channel(svc.target) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                await stream(stub, 0, 8)  # not measured
+                rows = {}
+                for n in (1, 8):
+                    runs = [await concurrency(stub, n, tokens) for _ in range(2)]
+                    rows[f"streams_{n}"] = max(runs, key=lambda r: r["tok_s"])
+                    print(f"[generate {mode} {option}] {n} streams: "
+                          f"{rows[f'streams_{n}']['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+                return rows
+
+        return {"warm_s": svc.warm_s, **asyncio.run(run())}
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def table(r: dict, kind: str, options: dict, key: str, counts: tuple[int, ...], unit: str) -> None:
+    """One row per option and load: the figure in each mode, then compiled / eager."""
+    modes = r["modes"]
+    print(f"{'option':<14}{key:>8}" + "".join(f"{m:>10}" for m in modes) + f"{'c/e':>7}")
+    for option in options:
+        for n in counts:
+            v = [r[kind].get(f"{m} {option}", {}).get(f"{key}_{n}", {}).get(unit) for m in modes]
+            print(f"{option:<14}{n:>8}" + "".join(f"{x or 0:>10.1f}" for x in v)
+                  + f"{ratio(v[-1], v[0]):>7}")  # fmt: skip
+
+
+def report(r: dict) -> None:
+    modes = r["modes"]
+    print("\nEmbed, texts/s (one short text per call)")
+    table(r, "embed", EMBED_OPTIONS, "clients", (1, 32), "texts_s")
+    print("\nGenerate, tokens/s (greedy, 64 new tokens per stream)")
+    table(r, "generate", LM_OPTIONS, "streams", (1, 8), "tok_s")
+    st, llama = r.get("sentence_transformers_b32"), r.get("llama_cpp_1")
+    print(f"\nsentence-transformers in process, batch 32: {st or 0:.0f} texts/s")
+    print(f"llama.cpp, 1 stream: {llama or 0:.1f} tok/s")
+    best = max(((k, v["clients_32"]["texts_s"]) for k, v in r["embed"].items()),
+               key=lambda kv: kv[1], default=(None, None))  # fmt: skip
+    print(f"Embed 32 clients (best: {best[0]}) / sentence-transformers: {ratio(best[1], st)}"
+          "  (goal >= 0.8)")  # fmt: skip
+    int4 = r["generate"].get(f"{modes[-1]} int4-linear", {}).get("streams_1", {}).get("tok_s")
+    print(f"Generate 1 stream ({modes[-1]} int4-linear) / llama.cpp: {ratio(int4, llama)}"
+          "  (goal >= 0.5)")  # fmt: skip
+
+
+def plot(r: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    panels = [
+        ("embed", "clients_32", "texts_s", "Embed, 32 clients: texts/s", EMBED_OPTIONS),
+        ("generate", "streams_8", "tok_s", "Generate, 8 streams: tokens/s", LM_OPTIONS),
+        ("generate", "streams_1", "tok_s", "Generate, 1 stream: tokens/s", LM_OPTIONS),
+    ]
+    peers = ["sentence_transformers_b32", None, "llama_cpp_1"]
+    width = 0.8 / len(r["modes"])
+    for ax, (kind, key, unit, title, options), peer in zip(axes, panels, peers, strict=True):
+        for j, mode in enumerate(r["modes"]):
+            ys = [r[kind].get(f"{mode} {o}", {}).get(key, {}).get(unit, 0) for o in options]
+            ax.bar([i + j * width for i in range(len(options))], ys, width, label=mode)
+        ax.set_xticks([i + width * (len(r["modes"]) - 1) / 2 for i in range(len(options))],
+                      list(options))  # fmt: skip
+        if peer and r.get(peer):
+            name = "sentence-transformers b32" if "sentence" in peer else "llama.cpp"
+            ax.axhline(r[peer], linestyle="--", color="grey", label=name)
+        ax.set_title(title)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"eager (none) vs compiled (default), {r['threads']} CPU threads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="none,default", help="compilation modes, eager first")
+    p.add_argument("--seconds", type=float, default=15.0, help="Embed load per point")
+    p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
+    p.add_argument("--no-peers", action="store_true", help="the service only")
+    p.add_argument("--replot", action="store_true", help="table and plot of the last results")
+    a = p.parse_args(argv)
+    path = RESULTS / "compiled.json"
+    if a.replot:
+        r = json.loads(path.read_text())
+    else:
+        modes = a.modes.split(",")
+        r = {"modes": modes, "threads": cpu_threads(), "embed": {}, "generate": {}}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        if not a.no_peers:
+            r["sentence_transformers_b32"] = sentence_transformers_batch(32, a.seconds)
+            peer = llama_cpp_arm(a.tokens)
+            r["llama_cpp_1"] = peer["curve"][0]["tok_s"] if peer else None
+        for option in EMBED_OPTIONS:
+            for mode in modes:
+                r["embed"][f"{mode} {option}"] = embed_arm(mode, option, a.seconds)
+                path.write_text(json.dumps(r, indent=1))
+        for option in LM_OPTIONS:
+            for mode in modes:
+                r["generate"][f"{mode} {option}"] = generate_arm(mode, option, a.tokens)
+                path.write_text(json.dumps(r, indent=1))
+    report(r)
+    save_plot(plot, r, RESULTS / "compiled.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

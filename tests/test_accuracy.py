@@ -1,0 +1,39 @@
+"""Accuracy of each numerics option on the real models against float32 (bench/accuracy.py
+has the method and prints the figures README quotes). Eager: the compiled graphs run the
+same kernels' numerics, and the slow end-to-end test checks compiled == eager tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.accuracy import (
+    PROMPTS,
+    embed_cosines,
+    lm_agreement,
+    load_embed,
+    load_lm,
+)
+from inference_api.plan import CompilationMode
+
+NONE = CompilationMode.NONE
+
+
+@pytest.fixture(scope="module")
+def reference_lm():
+    return load_lm("float32", "same", NONE)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "int4"])
+def test_lm_weight_options_keep_top1_agreement(reference_lm, weights: str) -> None:
+    option = load_lm("float32", weights, NONE)
+    assert lm_agreement(reference_lm, option, PROMPTS, 32) >= 0.98
+
+
+def test_float32_agrees_with_itself(reference_lm) -> None:
+    """The measure itself: the reference teacher-forced along its own greedy tokens."""
+    assert lm_agreement(reference_lm, reference_lm, PROMPTS[:3], 16) == 1.0
+
+
+def test_bfloat16_embeddings_keep_cosine() -> None:
+    cosines = embed_cosines(load_embed("float32", NONE), load_embed("bfloat16", NONE))
+    assert min(cosines) >= 0.999
