@@ -2,32 +2,41 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._inductor.config as inductor_config
 
 from inference_api.plan import CompilationMode
 
-# Inductor options per mode. Freezing (every mode): the weights become constants of the
-# graph, so inductor folds what depends only on them and prepacks linear weights for
-# oneDNN, which runs bfloat16 GEMMs on the CPU's AMX tiles (measured on SmolLM2 decode,
-# bfloat16, 8 rows: 33.8 ms a step frozen against 50.4 ms eager). torch.compile takes
-# either a mode name or options, so max-autotune is spelled as its options.
-_OPTIONS: dict[CompilationMode, dict[str, Any]] = {
-    CompilationMode.DEFAULT: {"freezing": True},
-    CompilationMode.MAX_AUTOTUNE: {"freezing": True, "max_autotune": True},
+_MODES = {
+    CompilationMode.DEFAULT: "default",
+    CompilationMode.MAX_AUTOTUNE: "max-autotune-no-cudagraphs",
 }
 
 
 def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., Any]:
     """``fn`` itself in mode NONE, else ``torch.compile(fn)`` with dynamic shapes and
-    frozen weights (the callers run it under ``torch.inference_mode``, which freezing
-    needs). CUDA graphs stay off: the KV cache is written in place between calls.
+    frozen weights. CUDA graphs stay off: the KV cache is written in place between calls.
+
+    Freezing: the weights become constants of the graph, so inductor folds what depends
+    only on them and prepacks linear weights for oneDNN/MKL. It is set around each call
+    (the compile happens inside the first): torch 2.13 ignores ``freezing`` passed as a
+    torch.compile option, and its config is per thread. Freezing needs the callers'
+    ``torch.inference_mode``.
     """
     if mode is CompilationMode.NONE:
         return fn
-    return torch.compile(fn, dynamic=True, options=dict(_OPTIONS[mode]), fullgraph=False)
+    compiled = torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
+
+    @functools.wraps(fn)
+    def frozen(*args: Any) -> Any:
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
+
+    return frozen
 
 
 def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:
