@@ -82,7 +82,7 @@ class ModelProfile:
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     # The shapes the service batches into: what COMPILE runs.
     buckets: tuple[Bucket, ...] = ()
-    # What the graphs compute in ("float32", "bfloat16+int8"): COMPILE warms these numerics.
+    # What the graphs compute in ("float32", "float32+int4-linear"): COMPILE warms these.
     numerics: str = ""
 
 

@@ -14,6 +14,7 @@ from inference_api.plan import CompilationMode
 from inference_svc.compile_monitor import CompileMonitor, Origin
 from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
 from inference_svc.models.loading import offline
+from inference_svc.models.weights import numerics
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class EmbeddingModel:
         self.monitor = monitor
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = str(self.dtype).removeprefix("torch.")
+        self.numerics = numerics(self.dtype, "same")
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
         self.batch_buckets = batch_buckets(max_batch, mode)
