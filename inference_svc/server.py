@@ -7,6 +7,7 @@ real fault: INTERNAL, with a log line.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -61,26 +62,35 @@ class Servicer:
         self.metrics = metrics
 
 
+@contextlib.asynccontextmanager
+async def answering(
+    metrics: Metrics, rpc: str, context: grpc.aio.ServicerContext
+) -> AsyncIterator[None]:
+    """Map errors to status codes, and count and time the call under its final code."""
+    start, code = time.perf_counter(), "OK"
+    try:
+        yield
+    except asyncio.CancelledError:
+        code = "CANCELLED"
+        raise
+    except grpc.aio.AbortError:  # the call was already answered with its status
+        code = context.code().name if context.code() else "UNKNOWN"
+        raise
+    except Exception as exc:
+        code = code_of(exc).name
+        await abort_for(context, exc)
+    finally:
+        metrics.observe_call(rpc, code, time.perf_counter() - start)
+
+
 def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
     """Decode, answer, map errors to status codes, and count and time the call."""
 
     @functools.wraps(fn)
     async def wrapper(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> R:
-        start, code = time.perf_counter(), "OK"
-        try:
+        async with answering(self.metrics, fn.__name__, context):
             return await fn(self, wire.decoded(request), context)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:  # the call was already answered with its status
-            code = context.code().name if context.code() else "UNKNOWN"
-            raise
-        except Exception as exc:
-            code = code_of(exc).name
-            await abort_for(context, exc)
-            raise AssertionError("unreachable") from exc
-        finally:
-            self.metrics.observe_call(fn.__name__, code, time.perf_counter() - start)
+        raise AssertionError("unreachable: answering() aborts or re-raises")
 
     return wrapper
 
@@ -103,22 +113,11 @@ class InferenceServicer(Servicer):
     async def GenerateStream(
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
-        start, code = time.perf_counter(), "OK"
-        try:
+        async with answering(self.metrics, "GenerateStream", context):
             runtime = self.engine.generator()
             params = wire.generate_params(wire.decoded(request), runtime.limits)
             async for chunk in self._timed(runtime, params):
                 yield wire.generate_chunk(chunk)
-        except asyncio.CancelledError:
-            code = "CANCELLED"
-            raise
-        except grpc.aio.AbortError:
-            raise
-        except Exception as exc:
-            code = code_of(exc).name
-            await abort_for(context, exc)
-        finally:
-            self.metrics.observe_call("GenerateStream", code, time.perf_counter() - start)
 
     async def _timed(
         self, runtime: GenerativeRuntime, params: GenerateParams

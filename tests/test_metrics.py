@@ -7,6 +7,7 @@ import asyncio
 import urllib.request
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
@@ -54,10 +55,12 @@ async def test_metrics_follow_warmup_and_traffic(tiny_embed_dir, tiny_lm_dir):
         req = pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=4))
         reply = await c.inference.Generate(req)
         chunks = [chunk async for chunk in c.inference.GenerateStream(req)]
-        try:
+        with pytest.raises(grpc.aio.AioRpcError) as bad_unary:
             await c.inference.Generate(pb.GenerateRequest())
-        except grpc.aio.AioRpcError as e:
-            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert bad_unary.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as bad_stream:
+            _ = [chunk async for chunk in c.inference.GenerateStream(pb.GenerateRequest())]
+        assert bad_stream.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
         after = await scrape(service.metrics_port)
         assert value(after, "inference_health_serving") == 1
@@ -65,6 +68,10 @@ async def test_metrics_follow_warmup_and_traffic(tiny_embed_dir, tiny_lm_dir):
         assert value(after, "inference_requests_total", rpc="Generate", code="OK") == 1
         assert value(after, "inference_requests_total", rpc="GenerateStream", code="OK") == 1
         bad = value(after, "inference_requests_total", rpc="Generate", code="INVALID_ARGUMENT")
+        assert bad == 1
+        bad = value(
+            after, "inference_requests_total", rpc="GenerateStream", code="INVALID_ARGUMENT"
+        )
         assert bad == 1
         assert value(after, "inference_requests_total", rpc="MarkServing", code="OK") == 1
         assert value(after, "inference_request_duration_seconds_count", rpc="Embed") == 1
