@@ -1,10 +1,12 @@
 """TLS on the public port, with a CA made in the test (openssl): plaintext clients are
 refused, TLS clients that trust the CA are served, client certificates are required when a
-client CA is configured, and inference-cli speaks TLS. The admin port stays loopback."""
+client CA is configured, and inference-cli and the sidecar's health check speak TLS. The
+admin port stays loopback."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,6 +19,8 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 from inference_cli import cli
 from tests.conftest import start_service, tiny_args
+from warmup_ctl import driver
+from warmup_ctl.config import Config
 
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
 
@@ -52,7 +56,7 @@ async def health(channel: grpc.aio.Channel) -> int:
     return (await stub.Check(req, timeout=10)).status
 
 
-async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, tiny_lm_dir):
+async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, tiny_lm_dir, caplog):
     pki = make_pki(tmp_path)
     tls = [
         "--tls-cert-file",
@@ -89,6 +93,17 @@ async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, t
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         async with tls_channel(service.port, pki, client_cert=True) as channel:
             assert await health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+        # The sidecar warms over the loopback admin port and checks public health over mTLS.
+        sidecar = Config(
+            admin=f"127.0.0.1:{service.admin_port}", public=f"localhost:{service.port}",
+            once=True, public_tls_ca=str(pki / "ca.pem"),
+            public_tls_cert=str(pki / "client.pem"), public_tls_key=str(pki / "client-key.pem"),
+        )  # fmt: skip
+        caplog.set_level(logging.INFO, logger="warmup_ctl")
+        assert await driver.run(sidecar) == 0
+        assert "public health SERVING" in caplog.text
+        async with tls_channel(service.port, pki, client_cert=True) as channel:
+            assert await health(channel) == health_pb2.HealthCheckResponse.SERVING
     finally:
         await c.close()
         await service.stop(0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -218,9 +219,24 @@ class AdminClient:
         return await self._call("MarkServing", self._stub.MarkServing, req)
 
 
-async def public_health(address: str, timeout: float) -> str:
+def public_channel(cfg: Config) -> grpc.aio.Channel:
+    """A channel to the public port: TLS when --public-tls-ca is set, else plaintext."""
+    if not cfg.public_tls_ca:
+        return grpc.aio.insecure_channel(cfg.public)
+    key = Path(cfg.public_tls_key).read_bytes() if cfg.public_tls_key else None
+    cert = Path(cfg.public_tls_cert).read_bytes() if cfg.public_tls_cert else None
+    creds = grpc.ssl_channel_credentials(Path(cfg.public_tls_ca).read_bytes(), key, cert)
+    return grpc.aio.secure_channel(cfg.public, creds)
+
+
+async def public_health(cfg: Config) -> str:
     """The overall grpc.health.v1 status at the public address, or why it is not known."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    try:
+        channel = public_channel(cfg)
+    except OSError as e:
+        return f"unknown (TLS files: {e})"
+    timeout = cfg.rpc_timeout
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)

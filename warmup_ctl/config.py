@@ -3,6 +3,7 @@
 Environment variables (read only by parse_args, never at import time):
   WARMUP_CTL_ADMIN   the service's admin address, host:port (the default for --admin)
   WARMUP_CTL_PUBLIC  the service's public address, host:port (the default for --public)
+  WARMUP_CTL_PUBLIC_TLS_CA  CA bundle to trust when the public port speaks TLS
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from inference_api import names
 ENV_ADMIN = "WARMUP_CTL_ADMIN"
 ENV_PUBLIC = "WARMUP_CTL_PUBLIC"
 ENV_TOKEN = "WARMUP_CTL_ADMIN_TOKEN"
+ENV_PUBLIC_TLS_CA = "WARMUP_CTL_PUBLIC_TLS_CA"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -45,6 +47,11 @@ class Config:
     log_level: str = "info"
     # The service's admin token ("" = none): from --admin-token-file or WARMUP_CTL_ADMIN_TOKEN.
     admin_token: str = field(default="", repr=False)
+    # The public port speaks TLS: the CA to trust ("" = plaintext), and a client certificate
+    # and key when the service requires one (mutual TLS). Paths to PEM files.
+    public_tls_ca: str = ""
+    public_tls_cert: str = ""
+    public_tls_key: str = ""
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "step_timeout", "poll_interval", "rpc_timeout"):
@@ -57,6 +64,10 @@ class Config:
                 f"need 0 < backoff_initial <= backoff_max, got "
                 f"{self.backoff_initial} and {self.backoff_max}"
             )
+        if bool(self.public_tls_cert) != bool(self.public_tls_key):
+            raise ValueError("--public-tls-cert and --public-tls-key go together")
+        if self.public_tls_cert and not self.public_tls_ca:
+            raise ValueError("--public-tls-cert needs --public-tls-ca")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log level {self.log_level!r}; expected one of {LOG_LEVELS}")
 
@@ -129,6 +140,15 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         metavar="FILE",
         help=f"file holding the service's admin token (or set {ENV_TOKEN}; default: none)",
     )
+    add(
+        "--public-tls-ca",
+        default=environ.get(ENV_PUBLIC_TLS_CA, d.public_tls_ca),
+        metavar="FILE",
+        help=f"the public port speaks TLS: trust this CA bundle (env {ENV_PUBLIC_TLS_CA}; "
+        "default: plaintext)",
+    )
+    add("--public-tls-cert", default="", metavar="FILE", help="client certificate (mutual TLS)")
+    add("--public-tls-key", default="", metavar="FILE", help="client key (mutual TLS)")
     add("--log-level", default=d.log_level, choices=LOG_LEVELS, help="log verbosity")
     return p  # fmt: skip
 
@@ -159,6 +179,9 @@ def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config
             backoff_max=a.backoff_max,
             rpc_timeout=a.rpc_timeout,
             log_level=a.log_level,
+            public_tls_ca=a.public_tls_ca,
+            public_tls_cert=a.public_tls_cert,
+            public_tls_key=a.public_tls_key,
             admin_token=_token(a.admin_token_file, environ),
         )
     except ValueError as e:

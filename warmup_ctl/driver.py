@@ -125,7 +125,7 @@ async def warm(cfg: Config, client: AdminClient) -> Outcome:
     except WarmupFailed as e:
         reason = f"warmup of boot {desc.boot_id} failed: {e}; the service stays NOT_SERVING"
         return Outcome(desc.boot_id, False, reason)
-    health = await public_health(cfg.public, cfg.rpc_timeout)
+    health = await public_health(cfg)
     log.info(
         "SERVING: boot %s; public health %s; clients can call inference.v1.Inference at %s",
         desc.boot_id,
