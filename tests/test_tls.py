@@ -25,21 +25,14 @@ from warmup_ctl.config import Config
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
 
 
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def make_pki(d: Path) -> Path:
-    """ca.pem, server.pem/-key.pem (localhost, 127.0.0.1), client.pem/-key.pem."""
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
-            "-keyout", "ca-key.pem", "-out", "ca.pem", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name in ("server", "client"):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
-                "-keyout", f"{name}-key.pem", "-out", f"{name}.csr", cwd=d)  # fmt: skip
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca-key.pem",
-                "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", f"{name}.pem",
-                cwd=d)  # fmt: skip
+    """The operators' script: ca.pem, server.pem/-key.pem (localhost, 127.0.0.1, ...),
+    client.pem/-key.pem."""
+    script = ROOT / "deploy" / "tls" / "make-dev-certs.sh"
+    subprocess.run(["bash", str(script), str(d)], check=True, capture_output=True, timeout=60)
     return d
 
 

@@ -25,6 +25,9 @@
 #   E2E_RESTART=0         skip step 6
 #   E2E_ALLOW_LATE_COMPILES=1  report late compile events instead of failing on them
 #   E2E_KEEP=1            leave the containers and volumes up at the end
+#   E2E_TLS=1             TLS on the public port (deploy/docker/compose.tls.yml, a dev CA made
+#                         by deploy/tls/make-dev-certs.sh): clients from the host speak TLS,
+#                         plaintext is refused, the sidecar's public health check says SERVING
 #   BASE_IMAGE            skip step 2 and build on this image instead
 # Prints a timing line per stage, and "e2e: PASS" last. Needs root.
 set -euo pipefail
@@ -74,6 +77,14 @@ fi
 stage "tools + dockerd"
 
 compose=(docker-compose -p "$PROJECT" -f docker-compose.yml)
+tls_args=()
+if [ "${E2E_TLS:-0}" = 1 ]; then
+    export TLS_DIR=$PWD/.cache/e2e-tls
+    deploy/tls/make-dev-certs.sh "$TLS_DIR"
+    chmod 755 "$TLS_DIR"
+    compose+=(-f deploy/docker/compose.tls.yml)
+    tls_args=(-v "$TLS_DIR:/tls:ro")
+fi
 export INFERENCE_IMAGE=$IMAGE COMPILATION_MODE=$MODE
 INFERENCE_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 export INFERENCE_PORT
@@ -145,7 +156,18 @@ cid_of() { "${compose[@]}" ps -q "$1" 2>/dev/null || true; }
 cli() {  # cli SUBCOMMAND ARGS...: inference-cli against the published port, from the host
     local sub=$1
     shift
-    docker run --rm --network host "$IMAGE" inference-cli "$sub" --addr "127.0.0.1:$INFERENCE_PORT" "$@"
+    if [ "${E2E_TLS:-0}" = 1 ]; then set -- "$@" --tls-ca /tls/ca.pem; fi
+    docker run --rm --network host "${tls_args[@]}" "$IMAGE" \
+        inference-cli "$sub" --addr "127.0.0.1:$INFERENCE_PORT" "$@"
+}
+check_tls() {  # a plaintext client is refused; the sidecar checked public health over TLS
+    if docker run --rm --network host "$IMAGE" inference-cli health \
+        --addr "127.0.0.1:$INFERENCE_PORT" --service liveness --timeout 5 >&2; then
+        log "the TLS port answered a plaintext client"; exit 1
+    fi
+    "${compose[@]}" logs --no-color warmup-ctl 2>&1 | grep -q "public health SERVING" ||
+        { log "the sidecar did not see SERVING over TLS"; exit 1; }
+    log "TLS: plaintext refused, TLS clients served, the sidecar's health check speaks TLS"
 }
 info_field() {  # info_field NAME: a field of the Info reply
     cli info --json | python3 -c 'import json, sys; print(json.load(sys.stdin)[sys.argv[1]])' "$1"
@@ -266,6 +288,7 @@ stage "client (embed + generate)"
 check_ports
 cli info >&2
 check_late_compiles
+if [ "${E2E_TLS:-0}" = 1 ]; then check_tls; fi
 
 # --- 6. restart the server: the sidecar warms the new process --------------------------------
 if [ "${E2E_RESTART:-1}" = 1 ]; then
