@@ -234,15 +234,14 @@ def test_a_missing_model_directory_fails_the_start_with_a_clear_message(tmp_path
 
 
 def test_sigterm_drains_in_flight_calls_and_flips_health_at_once(tmp_path: Path) -> None:
+    """A planned stop: NOT_SERVING at once, the in-flight call finishes, exit 0; the sidecar
+    reports no failure and waits for the next process."""
     args = ["--port", "0", "--admin-port", "0", "--embed-model", "none"]
     svc = ServiceProc(tmp_path, [*args, "--kv-cache-tokens", "2048", "--grace-period", "60"])
+    ctl = sidecar(tmp_path, svc)
     try:
-        admin = admin_pb2_grpc.WarmupAdminStub(grpc.insecure_channel(f"127.0.0.1:{svc.admin_port}"))
-        wait = {"wait_for_ready": True, "timeout": 300}
-        while not admin.Describe(apb.DescribeRequest(), **wait).models_loaded:
-            time.sleep(0.2)
-        admin.Reseed(apb.ReseedRequest(), **wait)
-        admin.MarkServing(apb.MarkServingRequest(), **wait)
+        wait_serving(svc, timeout=300)  # warmed and marked by the sidecar
+        ctl.wait_for_log("SERVING: boot", timeout=60)
         channel = grpc.insecure_channel(f"127.0.0.1:{svc.port}")
         watch = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(service="inference.v1.Inference")
@@ -258,5 +257,10 @@ def test_sigterm_drains_in_flight_calls_and_flips_health_at_once(tmp_path: Path)
         reply = call.result()  # the in-flight call completes within the grace period
         assert reply.usage.completion_tokens > 0
         assert svc.popen.wait(timeout=120) == 0
+        ctl.wait_for_log("waiting for it", timeout=30)
+        time.sleep(1.0)  # a few more polls of the port that is gone
+        assert ctl.popen.poll() is None, "the sidecar exited on a planned stop"
+        assert not [line for line in ctl.text().splitlines() if " ERROR " in line], ctl.tail()
     finally:
+        ctl.stop()
         svc.stop()
