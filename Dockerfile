@@ -7,6 +7,12 @@
 #                    deploy/docker/build-base-image.sh makes one without a registry.
 #   TORCH_INDEX_URL  where the CPU build of torch comes from, unless
 #                    deploy/docker/local/wheels/ holds a torch wheel.
+#   PRECOMPILE       a compilation mode (e.g. default) to ship warm: the build runs
+#                    `inference-svc precompile` and keeps the compiled artifacts in the image,
+#                    so a container reaches SERVING without compiling. They are used only on
+#                    the same CPU capabilities and thread count as the build (the key):
+#   PRECOMPILE_THREADS  the threads the service will run with (default 2; k8s sets
+#                    OMP_NUM_THREADS from the CPU request). Empty PRECOMPILE: ship cold.
 # Works with the classic builder and BuildKit (no BuildKit-only syntax).
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -74,9 +80,21 @@ ENV PATH=/opt/venv/bin:$PATH \
     TORCHINDUCTOR_CACHE_DIR=/var/cache/inference-svc/inductor \
     # The generative model dequantized from GGUF once, read back on later starts.
     INFERENCE_SVC_MODEL_CACHE_DIR=/var/cache/inference-svc/models \
+    # Kept compiled artifacts (Dynamo packages + inductor caches, keyed): a restart of a
+    # compiled service loads them instead of compiling.
+    INFERENCE_SVC_COMPILE_CACHE_DIR=/var/cache/inference-svc/compile \
     TRITON_CACHE_DIR=/var/cache/inference-svc/triton \
     XDG_CACHE_HOME=/var/cache/inference-svc \
     INFERENCE_ADDR=127.0.0.1:50051
+# Ship warm (before VOLUME: a build step's writes under a volume path are dropped). A
+# compose named volume starts as a copy of this directory.
+ARG PRECOMPILE=""
+ARG PRECOMPILE_THREADS=2
+RUN if [ -n "$PRECOMPILE" ]; then \
+        OMP_NUM_THREADS=$PRECOMPILE_THREADS inference-svc precompile \
+            --compilation-mode "$PRECOMPILE" && rm -rf /tmp/inference-svc-compile-* \
+        && chown -R 10001:10001 /var/cache/inference-svc; \
+    fi
 VOLUME ["/var/cache/inference-svc", "/models"]
 USER 10001:10001
 WORKDIR /home/app

@@ -1,9 +1,12 @@
 """Cold-start benchmark: what the warmup sidecar saves the first request on each path.
 
-Starts inference-svc three ways, one after another, each as its own process, and measures it
-from the outside over gRPC:
+Starts inference-svc up to four ways, one after another, each as its own process, and
+measures it from the outside over gRPC:
 
-  sidecar     compiled (--compilation-mode default), warmed by `warmup-ctl --once`
+  sidecar     compiled (--compilation-mode default), warmed by `warmup-ctl --once`: a cold
+              start, with an empty --compile-cache-dir
+  restart     the same again, with the compiled artifacts the sidecar arm kept (a restart,
+              a rolling update, a new replica on a filled cache volume)
   no-sidecar  compiled, marked SERVING as soon as its models load: no warmup at all, so every
               compile lands on a request (see serve_ungated below for how)
   none        --compilation-mode none, warmed by `warmup-ctl --once` (PROFILE only)
@@ -17,7 +20,8 @@ then Info.late_compile_events and the service's 'late compile after SERVING' lin
   .venv/bin/python bench/cold_start.py --arms none sidecar --repeats 5 -- --gen-max-batch 2
 
 Arguments after `--` go to every inference-svc. Each arm gets a fresh, empty
-TORCHINDUCTOR_CACHE_DIR (a first deploy) unless --warm-cache DIR names one to reuse.
+TORCHINDUCTOR_CACHE_DIR (a first deploy) unless --warm-cache DIR names one to reuse; the
+sidecar and restart arms share one --compile-cache-dir (--compile-cache DIR, else a new one).
 A benchmark, not a test: it asserts nothing. A compiled arm takes minutes on a small CPU.
 """
 
@@ -51,7 +55,7 @@ from inference_svc.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-ARMS = ("sidecar", "no-sidecar", "none")
+ARMS = ("sidecar", "restart", "no-sidecar", "none")
 HEALTH_NAME = "inference.v1.Inference"
 POLL = 0.2  # seconds between health checks
 RPC_TIMEOUT = 3600.0  # a cold request compiles several graphs: minutes on 2 cores
@@ -226,6 +230,10 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
         port_file.unlink(missing_ok=True)
         svc_args = [*extra, "--port", "0", "--admin-port", "0", "--port-file", str(port_file)]
         svc_args += ["--compilation-mode", mode]
+        if arm in ("sidecar", "restart"):
+            svc_args += ["--compile-cache-dir", str(opts.compile_cache)]
+        else:  # nothing kept: every compile of the no-sidecar arm lands on a request
+            svc_args += ["--compile-cache-dir", ""]
         if arm == "no-sidecar":
             cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-ungated"]
             svc_args += kv_cache_args(extra)
@@ -304,6 +312,11 @@ def table(results: list[ArmResult], opts: argparse.Namespace, extra: list[str]) 
         serving = "-" if r.to_serving is None else f"{r.to_serving:.1f}"
         late = "-" if r.late_compiles is None else str(r.late_compiles)
         lines.append(f"| {r.arm} | {r.commit} | {serving} | {load} | {late} |")
+    serving = {r.arm: r.to_serving for r in results if r.to_serving}
+    if "restart" in serving:
+        ratios = [f"restart / {arm} {serving['restart'] / serving[arm]:.2f}"
+                  for arm in ("sidecar", "none") if arm in serving]  # fmt: skip
+        lines += ["", "Start to SERVING: " + ", ".join(ratios)]
     lines += ["", "| arm | path | first (s) | steady median (s) | first / median |"]
     lines.append("|---|---|---:|---:|---:|")
     for r in results:
@@ -334,6 +347,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--max-tokens", type=int, default=8, help="max_tokens of each Generate")
     add("--compiled-mode", choices=["default", "max-autotune"], default="default")
     add("--warm-cache", metavar="DIR", help="reuse this TORCHINDUCTOR_CACHE_DIR in every arm")
+    add(
+        "--compile-cache",
+        type=Path,
+        metavar="DIR",
+        help="the sidecar and restart arms' --compile-cache-dir (default: a new empty one)",
+    )
     add("--ctl-args", default="", help="extra warmup-ctl flags, as one string")
     add("--timeout", type=float, default=3600.0, help="seconds to SERVING, per arm")
     add("--log-dir", type=Path, help="where the logs go (default: a new temp dir)")
@@ -363,6 +382,7 @@ def main(argv: list[str]) -> int:
     log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="cold_start-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {log_dir}", flush=True)
+    opts.compile_cache = opts.compile_cache or log_dir / "compile-cache"
     results: list[ArmResult] = []
     status = 0
     try:

@@ -139,6 +139,7 @@ def profile_from_pb(pb: admin_pb2.ModelProfile) -> plan.ModelProfile:
         logprobs_mode=logprobs,
         buckets=tuple(bucket_from_pb(b, pb.name) for b in pb.buckets),
         numerics=pb.numerics,
+        artifacts=pb.artifacts,
     )
 
 
@@ -167,6 +168,7 @@ def profile_to_pb(
         buckets=[bucket_to_pb(b) for b in p.buckets],
         compiled_buckets=[bucket_to_pb(b) for b in compiled],
         numerics=p.numerics,
+        artifacts=p.artifacts,
     )
 
 

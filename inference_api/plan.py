@@ -84,6 +84,8 @@ class ModelProfile:
     buckets: tuple[Bucket, ...] = ()
     # What the graphs compute in ("float32", "float32+int4-linear"): COMPILE warms these.
     numerics: str = ""
+    # Where the compiled graphs came from: "loaded" (kept artifacts), "compiled", or "".
+    artifacts: str = ""
 
 
 @dataclass(frozen=True)
@@ -128,6 +130,8 @@ def _model_steps(p: ModelProfile) -> tuple[list[Step], list[Step]]:
 
     n = len(p.buckets)
     numerics = f" in {p.numerics}" if p.numerics else ""
+    if p.artifacts == "loaded":
+        numerics += ", from kept artifacts"
     if not compiled:
         skipped.append(Step(StepKind.COMPILE, p.name, reason="compilation mode NONE"))
     elif not p.has_kv_cache:

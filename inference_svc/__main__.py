@@ -1,4 +1,7 @@
-"""``inference-svc``: run the service until SIGTERM or Ctrl-C."""
+"""``inference-svc``: run the service until SIGTERM or Ctrl-C.
+
+``inference-svc precompile [flags]`` fills --compile-cache-dir instead and exits
+(inference_svc/precompile.py)."""
 
 from __future__ import annotations
 
@@ -35,12 +38,18 @@ async def serve(config: ServiceConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_config(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args[:1] == ["precompile"] else "serve"
+    config = parse_config(args)
     logging.basicConfig(
         level=config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if command == "precompile":
+        from inference_svc.precompile import precompile
+
+        return asyncio.run(precompile(config))
     return asyncio.run(serve(config))
 
 

@@ -47,6 +47,12 @@ class ServiceConfig:
     # Converted (dequantized) GGUF models are kept here; "" turns the cache off.
     model_cache_dir: str = "~/.cache/inference-svc/models"
     compilation_mode: CompilationMode = CompilationMode.NONE
+    # Compiled artifacts (Dynamo packages, AOTAutograd and inductor caches) are kept here and
+    # reused by the next start whose key matches; "" turns it off (inductor's own cache only).
+    compile_cache_dir: str = "~/.cache/inference-svc/compile"
+    # Freeze weights into compiled graphs (prepacked for oneDNN/MKL): faster steps, but torch
+    # 2.13 caches no frozen graph, so every start compiles from scratch.
+    freeze_weights: bool = False
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     seed: int = 0  # global random state at start and the seed Describe hands to Reseed
     device: str = "auto"  # auto: cuda when available, else cpu
@@ -118,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
         d.compilation_mode,
         "none (eager) or a torch.compile mode",
         choices=[m.value for m in CompilationMode],
+    )
+    f(
+        "--compile-cache-dir",
+        d.compile_cache_dir,
+        "compiled artifacts kept here for the next start ('' = none)",
+    )
+    f(
+        "--freeze-weights",
+        "off",
+        "on: weights frozen into compiled graphs (faster steps; every start compiles)",
+        choices=["on", "off"],
     )
     f(
         "--logprobs-mode",
@@ -225,6 +242,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         lm_model=a.lm_model,
         model_cache_dir=a.model_cache_dir,
         compilation_mode=CompilationMode(a.compilation_mode),
+        compile_cache_dir=a.compile_cache_dir,
+        freeze_weights=a.freeze_weights == "on",
         logprobs_mode=LogprobsMode(a.logprobs_mode),
         seed=int(a.seed),
         device=a.device,

@@ -15,6 +15,9 @@ from tests.models import build_tiny_embedder, build_tiny_lm
 from tests.rpc import Clients
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Hermetic compiles: no test (in process or a child process) loads or keeps compiled
+# artifacts unless it passes --compile-cache-dir itself (tests/test_artifacts.py does).
+os.environ["INFERENCE_SVC_COMPILE_CACHE_DIR"] = ""
 
 
 @pytest.fixture(scope="session")

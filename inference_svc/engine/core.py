@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -22,8 +23,9 @@ import torch
 from inference_api.plan import ModelKind, ModelProfile, Plan, Step, plan
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
+from inference_svc.engine import artifacts
 from inference_svc.engine.embedding import EmbeddingRuntime
-from inference_svc.engine.factory import LOAD_FLAG, runtime_specs
+from inference_svc.engine.factory import LOAD_FLAG, model_dirs, runtime_specs
 from inference_svc.engine.gate import ServingGate
 from inference_svc.engine.generative import GenerativeRuntime
 from inference_svc.engine.runtime import ModelRuntime, StepReport
@@ -53,6 +55,8 @@ class Engine:
         self.loaded: list[LoadedModel] = []
         self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
         self.models_loaded = False
+        self.artifacts: artifacts.CompileArtifacts | None = None  # --compile-cache-dir
+        self._publishing: threading.Thread | None = None
         # Called with (serving, reason) whenever the health of the service changes.
         self.on_health: Callable[[bool, str], None] = lambda serving, reason: None
 
@@ -60,12 +64,21 @@ class Engine:
     def load(self) -> None:
         """Load the configured models (blocking: run it off the event loop)."""
         self.monitor.install()
+        self.artifacts = artifacts.for_config(self.config, model_dirs(self.config))
+        if self.artifacts is not None:
+            # Before any model is built: torch.compile looks up Dynamo packages then.
+            COMPUTE.run(self.artifacts.open).result()
         for spec in runtime_specs(self.config, self.monitor):
             log.info("loading model %s (%s)", spec.name, spec.kind.value)
             start = time.perf_counter()
+            before = artifacts.dynamo_cache_counts()
             # On the compute thread: it is the only thread that runs torch's parallel
             # kernels in this process (engine/worker.py says why).
-            self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
+            runtime = self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
+            if self.artifacts is not None:
+                runtime.artifacts = self.artifacts.model_status(spec.name, before)
+                if runtime.artifacts == "loaded":
+                    runtime.loaded_from_artifacts()
             took = time.perf_counter() - start
             self.loaded.append(LoadedModel(spec.name, spec.kind, took))
             log.info("loaded model %s in %.1f s", spec.name, took)
@@ -76,6 +89,14 @@ class Engine:
         for runtime in self.runtimes.values():
             runtime.close()
         self.monitor.close()
+        self.wait_for_artifacts(timeout=60)
+        if self.artifacts is not None:
+            self.artifacts.close()
+
+    def wait_for_artifacts(self, timeout: float | None = None) -> None:
+        """Wait until the artifacts kept after SERVING are written (if any)."""
+        if self._publishing is not None:
+            self._publishing.join(timeout)
 
     # -- the plan -----------------------------------------------------------------
     def profiles(self) -> list[ModelProfile]:
@@ -138,6 +159,20 @@ class Engine:
         self.monitor.mark_serving()
         log.info("health: SERVING (boot %s)", self.boot_id)
         self.on_health(True, "warmed up")
+        if self.artifacts is not None and self._publishing is None:
+            self._publishing = threading.Thread(
+                target=self.publish_artifacts, name="publish-artifacts", daemon=True
+            )
+            self._publishing.start()
+
+    def publish_artifacts(self) -> None:
+        """Keep what this start compiled for the next one (after SERVING: nothing compiles)."""
+        if self.artifacts is None:
+            return
+        try:
+            log.info("compiled artifacts: %s", self.artifacts.publish(self.boot_id))
+        except Exception:  # never let keeping artifacts hurt a serving process
+            log.exception("compiled artifacts: could not keep them")
 
     def _on_late_compile(self, event: LateCompile) -> None:
         if self.config.on_late_compile is not LateCompilePolicy.FAIL:

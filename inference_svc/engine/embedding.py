@@ -118,8 +118,9 @@ class EmbeddingRuntime(RuntimeBase):
     def profile(self) -> ModelProfile:
         m = self.model
         return ModelProfile(
-            self.name, self.kind, False, False, m.mode, buckets=self.buckets(), numerics=m.numerics
-        )
+            self.name, self.kind, False, False, m.mode, buckets=self.buckets(),
+            numerics=m.numerics, artifacts=self.artifacts,
+        )  # fmt: skip
 
     async def warm(self, step: Step) -> StepReport:
         if step.kind is not StepKind.COMPILE:

@@ -58,6 +58,16 @@ def runtime_specs(config: ServiceConfig, monitor: CompileMonitor) -> list[Runtim
     return specs
 
 
+def model_dirs(config: ServiceConfig) -> dict[str, Path]:
+    """The directory of each configured model (what kept compiled artifacts are keyed on)."""
+    dirs = {}
+    if config.embed_model != "none":
+        dirs[EMBED_NAME] = resolve_embed_dir(config.embed_model)
+    if config.lm_model != "none":
+        dirs[LM_NAME] = resolve_lm_dir(config.lm_model)
+    return dirs
+
+
 def _device_and_dtype(c: ServiceConfig) -> tuple[torch.device, torch.dtype]:
     device = pick_device(c.device)
     return device, pick_dtype(c.dtype, device)

@@ -68,6 +68,10 @@ class GenerativeRuntime(RuntimeBase):
     def kv_cache_tokens(self) -> int:
         return self.model.kv_cache_tokens
 
+    def loaded_from_artifacts(self) -> None:
+        super().loaded_from_artifacts()
+        self.model.mark_dynamic = False  # see GenerativeModel.__init__
+
     def buckets(self) -> tuple[Bucket, ...]:
         return warmup.generative_buckets(self.model)
 
@@ -81,6 +85,7 @@ class GenerativeRuntime(RuntimeBase):
             self.logprobs_mode,
             self.buckets(),
             self.model.numerics,
+            self.artifacts,
         )
 
     async def warm(self, step: Step) -> StepReport:

@@ -81,6 +81,11 @@ class ModelRuntime(Protocol):
     def kv_cache_tokens(self) -> int:
         """Tokens the KV cache holds; 0 without one, or before it is sized."""
 
+    artifacts: str  # where its compiled graphs came from: "loaded", "compiled" or ""
+
+    def loaded_from_artifacts(self) -> None:
+        """Its compiled graphs came from kept artifacts (engine/artifacts.py)."""
+
     def profile(self) -> ModelProfile:
         """What the decision table needs to know about this model."""
 
@@ -109,6 +114,8 @@ class RuntimeBase:
         self.worker = worker
         self.monitor = monitor
         self._compiled: set[Bucket] = set()
+        # Where its compiled graphs came from: "loaded", "compiled" or "" (engine/artifacts.py).
+        self.artifacts = ""
         self._text = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"text-{name}")
 
     @property
@@ -121,6 +128,9 @@ class RuntimeBase:
     @property
     def compiled(self) -> frozenset[Bucket]:
         return frozenset(self._compiled)
+
+    def loaded_from_artifacts(self) -> None:
+        self.artifacts = "loaded"
 
     def close(self) -> None:
         self.worker.stop()

@@ -11,25 +11,37 @@ import torch._inductor.config as inductor_config
 
 from inference_api.plan import CompilationMode
 
+# Whether compiled graphs freeze the weights (--freeze-weights): set once at start.
+_FREEZE = {"weights": False}
+
 _MODES = {
     CompilationMode.DEFAULT: "default",
     CompilationMode.MAX_AUTOTUNE: "max-autotune-no-cudagraphs",
 }
 
 
-def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., Any]:
-    """``fn`` itself in mode NONE, else ``torch.compile(fn)`` with dynamic shapes and
-    frozen weights. CUDA graphs stay off: the KV cache is written in place between calls.
+def set_freezing(freeze: bool) -> None:
+    """Freeze weights into the graphs that compile_fn makes from now on (or not)."""
+    _FREEZE["weights"] = freeze
 
-    Freezing: the weights become constants of the graph, so inductor folds what depends
-    only on them and prepacks linear weights for oneDNN/MKL. It is set around each call
-    (the compile happens inside the first): torch 2.13 ignores ``freezing`` passed as a
-    torch.compile option, and its config is per thread. Freezing needs the callers'
-    ``torch.inference_mode``.
+
+def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., Any]:
+    """``fn`` itself in mode NONE, else ``torch.compile(fn)`` with dynamic shapes. CUDA
+    graphs stay off: the KV cache is written in place between calls.
+
+    With set_freezing(True) the weights become constants of the graph, so inductor folds
+    what depends only on them and prepacks linear weights for oneDNN/MKL (faster steps),
+    but torch 2.13 caches no frozen graph (AOTAutograd bypasses it, the FX graph cache
+    cannot pickle prepacked mkldnn weights, Dynamo packages refuse it): every start
+    compiles again. Freezing is set around each call (the compile happens inside the
+    first): torch 2.13 ignores ``freezing`` passed as a torch.compile option, and its
+    config is per thread. Freezing needs the callers' ``torch.inference_mode``.
     """
     if mode is CompilationMode.NONE:
         return fn
     compiled = torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
+    if not _FREEZE["weights"]:
+        return compiled
 
     @functools.wraps(fn)
     def frozen(*args: Any) -> Any:

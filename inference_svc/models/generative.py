@@ -17,6 +17,30 @@ from inference_svc.models.loading import load_causal_lm_parts
 from inference_svc.models.weights import convert_linears, numerics
 
 log = logging.getLogger(__name__)
+
+
+class _Prefill(torch.nn.Module):
+    """The LM's prefill as a module of its own (see GenerativeModel.__init__)."""
+
+    def __init__(self, lm: LlamaLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, *args: Tensor | list[Tensor]) -> Tensor:
+        return self.lm.prefill(*args)
+
+
+class _Decode(torch.nn.Module):
+    """The LM's decode step as a module of its own (see GenerativeModel.__init__)."""
+
+    def __init__(self, lm: LlamaLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, *args: Tensor | list[Tensor]) -> Tensor:
+        return self.lm.decode(*args)
+
+
 SUPPORTED_ARCHITECTURES = ("llama",)
 
 
@@ -55,8 +79,16 @@ class GenerativeModel:
         self.chunk_buckets = tuple(sorted({*range(16, chunk, 16), chunk}))
         self.context_buckets = length_buckets(limits.max_seq_len, smallest=32)
         self.request_shapes: set[Bucket] = set()  # what requests ran (tests check vs Describe)
-        self._prefill = compile_fn(lm.prefill, mode)
-        self._decode = compile_fn(lm.decode, mode)
+        # Mark the varying dimensions dynamic before each compiled call (see _vary). Off when
+        # the graphs came from kept artifacts: torch 2.13 saves their guards as if nothing
+        # had been marked, and a marked input then fails them ("_has_dynamo_dim_marking is
+        # present on runtime tensor but was absent at compile time").
+        self.mark_dynamic = True
+        # Compiled as modules of their own, not as bound methods: a restart did not reuse a
+        # bound method's kept Dynamo package (engine/artifacts.py), a module's forward it
+        # does. One class each: torch keys a package on the function's qualified name.
+        self._prefill = compile_fn(_Prefill(lm), mode)
+        self._decode = compile_fn(_Decode(lm), mode)
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
         self.k_cache: list[Tensor] | None = None
         self.v_cache: list[Tensor] | None = None
@@ -173,7 +205,7 @@ class GenerativeModel:
             ids, pos = ids.to(d), pos.to(d)
             slots = torch.arange(shape.context_len, device=d)
             self._vary(ids, pos, dim=0)  # the batch
-            if self.mode is not CompilationMode.NONE:
+            if self.mode is not CompilationMode.NONE and self.mark_dynamic:
                 torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
             return self._decode(ids, pos, slots, self.k_cache, self.v_cache)
 
@@ -181,7 +213,7 @@ class GenerativeModel:
         """Mark the dimension that varies between buckets as dynamic: its own symbol, never
         merged with another dimension that happens to have the same size in the first
         compile (torch's "duck sizing" would merge a 64-token chunk with head_dim 64)."""
-        if self.mode is not CompilationMode.NONE:
+        if self.mode is not CompilationMode.NONE and self.mark_dynamic:
             torch._dynamo.maybe_mark_dynamic(ids, dim)
             torch._dynamo.maybe_mark_dynamic(positions, dim)
 

@@ -1,0 +1,310 @@
+"""Compiled artifacts kept between starts (--compile-cache-dir).
+
+A compiled start leaves what torch.compile made (Dynamo packages, so a restart skips
+tracing; AOTAutograd and inductor cache entries; the C++ kernels) in one directory per
+key under the cache root. The key covers everything the artifacts depend on and torch
+does not check itself: the torch and Python versions, the CPU's capabilities, the thread
+count, the compilation mode, the numerics, the shape limits, the weights (a hash of the
+model files) and the code of the compiled functions. A start uses a directory only when
+its manifest names the same key and every file matches its recorded hash; anything else
+(none yet, another key, a truncated or corrupt file, a load error) is logged with the
+reason and the service compiles as if there were no cache.
+
+Concurrency: a process never writes into a kept directory. It works in a private copy
+(in the temp directory), and publishes by copying to a hidden directory under the root and
+renaming it into place, which is atomic: replicas that start together each compile, the
+first rename wins, and the others keep theirs unpublished. A read-only root (a volume
+filled once, mounted read-only by many replicas) works: nothing is written to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference_api.plan import CompilationMode
+from inference_svc.config import ServiceConfig
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+FORMAT = 1
+# The code the compiled graphs come from (relative to the inference_svc package).
+_CODE = ("models", "sampling.py")
+_WEIGHT_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json"}
+# The settings that decide the shapes the graphs are compiled for.
+_SHAPE_SETTINGS = (
+    "embed_max_batch", "gen_max_batch", "prefill_chunk_tokens", "max_input_tokens",
+    "max_new_tokens", "kv_cache_tokens",
+)  # fmt: skip
+# What each key field means, for the log line that says why artifacts were not used.
+FIELD_NAMES = {
+    "torch": "torch version",
+    "python": "Python version",
+    "cpu": "CPU capabilities",
+    "threads": "thread count",
+    "mode": "compilation mode",
+    "numerics": "numerics (--dtype, --lm-weights)",
+    "shapes": "shape limits",
+    "code": "code of the compiled functions",
+}
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_digest(directory: Path) -> str:
+    """A hash of a model directory's weight and config files (names and contents)."""
+    h = hashlib.sha256()
+    for path in sorted(directory.rglob("*")):
+        if path.is_file() and path.suffix in _WEIGHT_SUFFIXES and not path.name.startswith("."):
+            h.update(str(path.relative_to(directory)).encode())
+            h.update(_sha256_file(path).encode())
+    return h.hexdigest()[:20]
+
+
+def code_digest() -> str:
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in _CODE:
+        where = root / part
+        for path in sorted(where.rglob("*.py")) if where.is_dir() else [where]:
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:20]
+
+
+def cpu_digest() -> str:
+    """The instruction sets the compiled kernels may use: torch's capability level and the
+    CPU's feature flags (inductor picks vector ISAs from them)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    except OSError:
+        flags = platform.processor()
+    capability = torch.backends.cpu.get_cpu_capability()
+    return f"{capability}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+@dataclass(frozen=True)
+class ArtifactKey:
+    fields: dict[str, str]
+
+    @property
+    def digest(self) -> str:
+        raw = json.dumps(self.fields, sort_keys=True).encode()
+        return hashlib.sha256(raw).hexdigest()[:24]
+
+    def differences(self, other: dict[str, str]) -> list[str]:
+        """What differs from another key's fields, in words."""
+        out = []
+        for name in sorted(set(self.fields) | set(other)):
+            mine, theirs = self.fields.get(name), other.get(name)
+            if mine != theirs:
+                what = FIELD_NAMES.get(name) or name.replace("weights:", "weights of ")
+                out.append(f"{what} ({theirs} there, {mine} here)")
+        return out
+
+
+def make_key(
+    mode: str, numerics: str, shapes: dict[str, object], model_dirs: dict[str, Path]
+) -> ArtifactKey:
+    fields = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpu": cpu_digest(),
+        "threads": str(torch.get_num_threads()),
+        "mode": mode,
+        "numerics": numerics,
+        "shapes": json.dumps(shapes, sort_keys=True),
+        "code": code_digest(),
+    }
+    for name, directory in sorted(model_dirs.items()):
+        fields[f"weights:{name}"] = weights_digest(directory)
+    return ArtifactKey(fields)
+
+
+def _files(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): _sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != MANIFEST and "locks" not in p.relative_to(root).parts
+    }
+
+
+def verify(entry: Path, key: ArtifactKey) -> str | None:
+    """Why the kept directory ``entry`` cannot be used for ``key``, or None if it can."""
+    try:
+        manifest = json.loads((entry / MANIFEST).read_text())
+        fields, files = manifest["key"], manifest["files"]
+    except FileNotFoundError:
+        return "no manifest (an unfinished or foreign directory)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest ({type(e).__name__}: {e})"
+    if manifest.get("format") != FORMAT:
+        return f"manifest format {manifest.get('format')} (this service writes {FORMAT})"
+    if fields != key.fields:
+        return "made for another key: " + "; ".join(key.differences(fields))
+    for name, digest in files.items():
+        path = entry / name
+        if not path.is_file():
+            return f"file {name} is missing"
+        if _sha256_file(path) != digest:
+            return f"file {name} is corrupt (its hash differs from the manifest's)"
+    return None
+
+
+class CompileArtifacts:
+    """The kept artifacts of one start: opened before the models are built (torch.compile
+    looks up Dynamo packages then), published once the service is SERVING."""
+
+    def __init__(self, root: Path, key: ArtifactKey) -> None:
+        self.root, self.key = root, key
+        self.entry = root / key.digest
+        self.staging = Path(tempfile.mkdtemp(prefix="inference-svc-compile-"))
+        self.loaded = False
+        self.reason = ""  # why nothing was loaded
+
+    def open(self) -> None:
+        """Choose, then point torch at the working directory. On the compiling thread."""
+        self.choose()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.staging)
+        # Dynamo packages on (torch.compile saves and finds them). torch 2.13 keeps config
+        # set at run time per thread: call this on the thread that compiles.
+        torch._dynamo.config.caching_precompile = True
+        logging.getLogger("torch._dynamo.guards").addFilter(_quiet_dropped_guards)
+
+    def choose(self) -> None:
+        """Copy usable kept artifacts into the private working directory, or say why not."""
+        if self.entry.is_dir():
+            problem = verify(self.entry, self.key)
+            if problem is None:
+                shutil.copytree(self.entry, self.staging, dirs_exist_ok=True)
+                (self.staging / MANIFEST).unlink(missing_ok=True)
+                self.loaded = True
+                log.info("compiled artifacts: loading %s", self.entry)
+                return
+            self.reason = f"{self.entry} not used: {problem}"
+            log.warning("compiled artifacts: %s; compiling", self.reason)
+        else:
+            self.reason, stale = self._why_none()
+            level = logging.WARNING if stale else logging.INFO
+            log.log(level, "compiled artifacts: %s; compiling (kept in %s)", self.reason, self.root)
+
+    def _why_none(self) -> tuple[str, bool]:
+        """No directory for this key: say how the newest other one differs, if any (and
+        whether there was one: stale or foreign artifacts are worth a warning)."""
+        others = []
+        if self.root.is_dir():
+            others = sorted(
+                (p for p in self.root.iterdir() if (p / MANIFEST).is_file()),
+                key=lambda p: (p / MANIFEST).stat().st_mtime,
+            )
+        if not others:
+            return "none kept yet", False
+        try:
+            fields = json.loads((others[-1] / MANIFEST).read_text())["key"]
+        except (OSError, ValueError, KeyError):
+            return f"none for this key ({others[-1].name} has an unreadable manifest)", True
+        differences = "; ".join(self.key.differences(fields))
+        return f"none for this key; {others[-1].name} was made for {differences}", True
+
+    def model_status(self, model: str, before: dict[str, int]) -> str:
+        """ "loaded" if every function of the model just built found its Dynamo package in
+        the kept artifacts, else "compiled"; logged either way."""
+        after = dynamo_cache_counts()
+        hits, misses, errors = (
+            after.get(f"dynamo_cache_{k}", 0) - before.get(f"dynamo_cache_{k}", 0)
+            for k in ("hit", "miss", "error")
+        )
+        if self.loaded and hits and not misses and not errors:
+            log.info("model %s: %d compiled functions loaded from kept artifacts", model, hits)
+            return "loaded"
+        if self.loaded:
+            log.warning(
+                "model %s: kept artifacts incomplete (%d functions loaded, %d missing, %d "
+                "failed to load): COMPILE compiles the rest",
+                model, hits, misses, errors,
+            )  # fmt: skip
+        return "compiled"
+
+    def publish(self, boot_id: str) -> str:
+        """Keep what this start compiled for the next one; returns what happened."""
+        torch._dynamo.config.caching_precompile = True  # per thread: this one's too
+        torch.compiler.save_cache_artifacts()  # writes the Dynamo packages into staging
+        if self.loaded:
+            return f"loaded from {self.entry}: nothing to keep"
+        if self.entry.exists() and verify(self.entry, self.key) is None:
+            return f"{self.entry} was kept meanwhile (another replica): not replaced"
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        try:
+            shutil.copytree(self.staging, tmp, ignore=shutil.ignore_patterns("locks"))
+            manifest = {
+                "format": FORMAT,
+                "key": self.key.fields,
+                "files": _files(tmp),
+                "boot_id": boot_id,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            if self.entry.exists():  # a bad copy of the same key: replace it
+                shutil.rmtree(self.entry, ignore_errors=True)
+            os.rename(tmp, self.entry)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if self.entry.exists() and verify(self.entry, self.key) is None:
+                return f"{self.entry} was kept meanwhile (another replica): not replaced"
+            return f"could not keep artifacts in {self.root}: {e}"
+        return f"kept in {self.entry} ({len(manifest['files'])} files)"
+
+    def close(self) -> None:
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArtifacts | None:
+    """The kept artifacts a configuration uses, or None when nothing is kept."""
+    if config.compilation_mode is CompilationMode.NONE or not config.compile_cache_dir:
+        return None
+    if config.freeze_weights:
+        log.info(
+            "--freeze-weights on: compiled artifacts are not kept (torch 2.13 caches no "
+            "frozen graph); this start compiles every graph"
+        )
+        return None
+    shapes = {name: getattr(config, name) for name in _SHAPE_SETTINGS}
+    numerics = (
+        f"device={config.device} dtype={config.dtype} lm_weights={config.lm_weights} "
+        f"logprobs={config.logprobs_mode.value}"
+    )
+    key = make_key(config.compilation_mode.value, numerics, shapes, model_dirs)
+    return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key)
+
+
+def _quiet_dropped_guards(record: logging.LogRecord) -> bool:
+    """Dynamo warns once per global-builtin guard it leaves out of a package (over a
+    hundred lines per model): those guards check that builtins were not replaced."""
+    return "is dropped with caching_precompile=True" not in record.getMessage()
+
+
+def dynamo_cache_counts() -> dict[str, int]:
+    from torch._dynamo.utils import counters
+
+    return dict(counters["dynamo_cache"])

@@ -1,0 +1,192 @@
+"""Kept compiled artifacts (--compile-cache-dir): a restart loads what the first start
+compiled and skips the compiler; corrupt, stale and foreign artifacts are each refused with
+a log line naming the reason, and the service compiles instead. 0 late compiles either way.
+
+Real processes on the tiny embedding model (one compiled function: a cold compile takes
+seconds), warmed by the real sidecar."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from inference_api.stubs.inference.v1 import admin_pb2 as apb
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_api.stubs.inference.v1 import inference_pb2 as pb
+from inference_svc.engine.artifacts import MANIFEST, ArtifactKey, CompileArtifacts, verify
+from tests.procs import ServiceProc, sidecar
+
+pytestmark = pytest.mark.timeout(600)
+TEXTS = ["kept artifacts", "a restart in seconds"]
+
+
+def start(tmp: Path, embed_dir: Path, cache: Path, name: str, *extra: str) -> ServiceProc:
+    args = ["--port", "0", "--admin-port", "0", "--embed-model", str(embed_dir)]
+    args += ["--lm-model", "none", "--embed-max-batch", "4", "--compilation-mode", "default"]
+    return ServiceProc(tmp, [*args, "--compile-cache-dir", str(cache), *extra], name=name)
+
+
+def describe(svc: ServiceProc) -> apb.DescribeResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{svc.admin_port}") as ch:
+        stub = admin_pb2_grpc.WarmupAdminStub(ch)
+        while True:
+            d = stub.Describe(apb.DescribeRequest(), timeout=60, wait_for_ready=True)
+            if d.models_loaded:
+                return d
+
+
+def warm(tmp: Path, svc: ServiceProc, name: str) -> str:
+    """Warm with the sidecar (--once); its log."""
+    ctl = sidecar(tmp, svc, "--once", name=f"{name}-ctl")
+    assert ctl.popen.wait(timeout=500) == 0, ctl.tail()
+    ctl.stop()
+    return ctl.text()
+
+
+def embed_and_info(svc: ServiceProc) -> tuple[list[bytes], int]:
+    with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+        stub = inference_pb2_grpc.InferenceStub(ch)
+        reply = stub.Embed(pb.EmbedRequest(inputs=TEXTS), timeout=60)
+        info = stub.Info(pb.InfoRequest(), timeout=10)
+    return [e.SerializeToString() for e in reply.embeddings], info.late_compile_events
+
+
+def compile_events(ctl_log: str) -> int:
+    """Compile events of the COMPILE step, from the sidecar's step line."""
+    line = next(x for x in ctl_log.splitlines() if "COMPILE embedding" in x and "compile ev" in x)
+    return int(line.split(" s, ")[1].split()[0])
+
+
+def kept(cache: Path) -> Path:
+    """The one kept directory (published in the background just after SERVING)."""
+    for _ in range(300):
+        entries = [p for p in cache.iterdir() if (p / MANIFEST).is_file()] if cache.is_dir() else []
+        if entries:
+            (entry,) = entries
+            return entry
+        time.sleep(0.1)
+    raise AssertionError(f"nothing kept in {cache}")
+
+
+def test_restart_loads_kept_artifacts_and_bad_ones_fall_back(tmp_path, tiny_embed_dir):
+    cache = tmp_path / "compile-cache"
+    # 1. Cold: compiles, serves, keeps its artifacts.
+    svc = start(tmp_path, tiny_embed_dir, cache, "cold")
+    try:
+        assert [m.artifacts for m in describe(svc).models] == ["compiled"]
+        cold_log = warm(tmp_path, svc, "cold")
+        assert compile_events(cold_log) > 0
+        cold_vectors, late = embed_and_info(svc)
+        assert late == 0
+        entry = kept(cache)
+    finally:
+        assert svc.stop() == 0
+    assert "compiled artifacts: kept in" in svc.text()
+
+    # 2. Restart: loaded, COMPILE runs every bucket and compiles nothing, same answers.
+    svc = start(tmp_path, tiny_embed_dir, cache, "warm")
+    try:
+        assert [m.artifacts for m in describe(svc).models] == ["loaded"]
+        warm_log = warm(tmp_path, svc, "warm")
+        assert "from kept artifacts" in warm_log  # the sidecar's plan says so
+        assert compile_events(warm_log) == 0
+        vectors, late = embed_and_info(svc)
+        assert late == 0 and vectors == cold_vectors
+    finally:
+        svc.stop()
+
+    # 3. Corrupt: one byte of one file changed. Refused by name, compiled, served, kept again.
+    manifest = json.loads((entry / MANIFEST).read_text())
+    victim = next(name for name in manifest["files"] if name.startswith("dynamo/"))
+    data = bytearray((entry / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (entry / victim).write_bytes(bytes(data))
+    svc = start(tmp_path, tiny_embed_dir, cache, "corrupt")
+    try:
+        assert [m.artifacts for m in describe(svc).models] == ["compiled"]
+        assert f"file {victim} is corrupt" in svc.text()
+        log = warm(tmp_path, svc, "corrupt")
+        assert compile_events(log) > 0
+        assert embed_and_info(svc) == (cold_vectors, 0)
+    finally:
+        svc.stop()
+    assert verify(kept(cache), ArtifactKey(manifest["key"])) is None  # replaced by a good one
+
+    # 4. Stale: made by another torch version (the manifest says so). Refused by name.
+    manifest = json.loads((entry / MANIFEST).read_text())
+    manifest["key"]["torch"] = "2.12.0+cpu"
+    (entry / MANIFEST).write_text(json.dumps(manifest))
+    svc = start(tmp_path, tiny_embed_dir, cache, "stale")
+    try:
+        assert [m.artifacts for m in describe(svc).models] == ["compiled"]
+        assert "torch version (2.12.0+cpu there" in svc.text()
+        assert compile_events(warm(tmp_path, svc, "stale")) > 0
+        assert embed_and_info(svc)[1] == 0
+    finally:
+        svc.stop()
+
+
+def key(**changes: str) -> ArtifactKey:
+    fields = {"torch": "2.13.0+cpu", "cpu": "AVX512-abc", "threads": "2", "weights:embedding": "w1"}
+    return ArtifactKey({**fields, **changes})
+
+
+def keep(root: Path, k: ArtifactKey) -> Path:
+    """A kept directory for key ``k`` with one file, as publish writes it."""
+    entry = root / k.digest
+    (entry / "dynamo").mkdir(parents=True)
+    (entry / "dynamo" / "pkg").write_bytes(b"package")
+    files = {"dynamo/pkg": hashlib.sha256(b"package").hexdigest()}
+    (entry / MANIFEST).write_text(json.dumps({"format": 1, "key": k.fields, "files": files}))
+    return entry
+
+
+@pytest.mark.parametrize(
+    "other, reason",
+    [
+        (key(cpu="AVX2-def"), "CPU capabilities (AVX2-def there, AVX512-abc here)"),
+        (key(threads="8"), "thread count (8 there, 2 here)"),
+        (key(**{"weights:embedding": "w0"}), "weights of embedding (w0 there, w1 here)"),
+        (key(torch="2.12.0+cpu"), "torch version (2.12.0+cpu there, 2.13.0+cpu here)"),
+    ],
+)
+def test_artifacts_for_another_key_are_not_used_and_the_log_says_why(
+    tmp_path: Path, other: ArtifactKey, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    keep(tmp_path, other)
+    chosen = CompileArtifacts(tmp_path, key())
+    try:
+        chosen.choose()
+        assert not chosen.loaded
+        assert reason in chosen.reason and reason in caplog.text
+        assert not any(chosen.staging.iterdir())  # nothing copied
+    finally:
+        chosen.close()
+
+
+def test_a_matching_directory_is_copied_and_a_truncated_one_refused(tmp_path: Path) -> None:
+    entry = keep(tmp_path, key())
+    good = CompileArtifacts(tmp_path, key())
+    try:
+        good.choose()
+        assert good.loaded and (good.staging / "dynamo" / "pkg").read_bytes() == b"package"
+    finally:
+        good.close()
+    (entry / "dynamo" / "pkg").write_bytes(b"pack")  # truncated
+    bad = CompileArtifacts(tmp_path, key())
+    try:
+        bad.choose()
+        assert not bad.loaded and "file dynamo/pkg is corrupt" in bad.reason
+    finally:
+        bad.close()
+    (entry / MANIFEST).write_text('{"format": 1, "key": ')  # a torn manifest
+    assert "unreadable manifest" in (verify(entry, key()) or "")
+    shutil.rmtree(entry / "dynamo")
+    (entry / MANIFEST).unlink()
+    assert verify(entry, key()) == "no manifest (an unfinished or foreign directory)"
