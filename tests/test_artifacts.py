@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -190,3 +191,36 @@ def test_a_matching_directory_is_copied_and_a_truncated_one_refused(tmp_path: Pa
     shutil.rmtree(entry / "dynamo")
     (entry / MANIFEST).unlink()
     assert verify(entry, key()) == "no manifest (an unfinished or foreign directory)"
+
+
+def test_generative_restart_compiles_nothing_and_gives_the_same_tokens(
+    tmp_path, tiny_embed_dir, tiny_lm_dir
+):
+    """The generative model (prefill, decode, the sampler's four functions) loads from kept
+    artifacts: no compile in PROFILE, COMPILE or SAMPLER, none after SERVING, same tokens."""
+    cache = tmp_path / "compile-cache"
+    args = ["--port", "0", "--admin-port", "0", "--embed-model", "none"]
+    args += ["--lm-model", str(tiny_lm_dir), "--max-input-tokens", "32", "--max-new-tokens", "16"]
+    args += ["--compilation-mode", "default", "--compile-cache-dir", str(cache)]
+    prompts = ["a", "a longer prompt of several words to cross a chunk bucket or two"]
+    answers, events = [], []
+    for name in ("cold", "warm"):
+        svc = ServiceProc(tmp_path, args, name=name)
+        try:
+            log = warm(tmp_path, svc, name)
+            events.append([int(x) for x in re.findall(r" s, (\d+) compile event", log)])
+            with grpc.insecure_channel(f"127.0.0.1:{svc.port}") as ch:
+                stub = inference_pb2_grpc.InferenceStub(ch)
+                sampling = pb.SamplingParams(max_tokens=12, temperature=0.0)
+                replies = [
+                    stub.Generate(pb.GenerateRequest(prompt=p, sampling=sampling), timeout=60)
+                    for p in prompts
+                ]
+                answers.append([list(r.token_ids) for r in replies])
+                assert stub.Info(pb.InfoRequest(), timeout=10).late_compile_events == 0
+            if name == "cold":
+                kept(cache)
+        finally:
+            svc.stop()
+    assert sum(events[0]) > 0 and events[1] == [0] * len(events[1]), events
+    assert answers[0] == answers[1]
