@@ -13,9 +13,9 @@ import asyncio
 import logging
 import time
 
-from inference_api.plan import CompilationMode, StepKind
+from inference_api.plan import CompilationMode
 from inference_svc.config import ServiceConfig
-from inference_svc.engine.core import Engine
+from inference_svc.engine.core import WARMING, Engine
 
 log = logging.getLogger("inference_svc")
 
@@ -32,13 +32,11 @@ async def precompile(config: ServiceConfig) -> int:
     engine = Engine(config)
     try:
         await asyncio.to_thread(engine.load)
-        steps = [s for s in engine.required_steps() if s.kind not in _NOT_WARMUP]
+        steps = [s for s in engine.required_steps() if s.kind in WARMING]
         for n, step in enumerate(steps, 1):
             log.info("precompile: step %d/%d: %s %s", n, len(steps), step.kind.name, step.model)
             await engine.warmup(step)
-        engine.reseed(None)
-        engine.mark_serving()  # keeps the artifacts (engine.publish_artifacts)
-        await asyncio.to_thread(engine.wait_for_artifacts)
+        # The last warmup step kept the artifacts (Engine._keep_artifacts).
         assert engine.artifacts is not None
         kept = engine.artifacts.entry
         if not (kept / "manifest.json").is_file():
@@ -51,6 +49,3 @@ async def precompile(config: ServiceConfig) -> int:
         return 1
     finally:
         engine.close()
-
-
-_NOT_WARMUP = {StepKind.RESEED, StepKind.MARK_SERVING}

@@ -21,7 +21,7 @@ from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.engine.artifacts import MANIFEST, ArtifactKey, CompileArtifacts, verify
-from tests.procs import ServiceProc, sidecar
+from tests.procs import BIN, Proc, ServiceProc, sidecar
 
 pytestmark = pytest.mark.timeout(600)
 TEXTS = ["kept artifacts", "a restart in seconds"]
@@ -65,7 +65,7 @@ def compile_events(ctl_log: str) -> int:
 
 
 def kept(cache: Path) -> Path:
-    """The one kept directory (published in the background just after SERVING)."""
+    """The one kept directory (published by the last warmup step)."""
     for _ in range(300):
         entries = [p for p in cache.iterdir() if (p / MANIFEST).is_file()] if cache.is_dir() else []
         if entries:
@@ -224,3 +224,27 @@ def test_generative_restart_compiles_nothing_and_gives_the_same_tokens(
             svc.stop()
     assert sum(events[0]) > 0 and events[1] == [0] * len(events[1]), events
     assert answers[0] == answers[1]
+
+
+def test_precompile_fills_the_cache_a_service_then_loads(tmp_path, tiny_embed_dir):
+    """`inference-svc precompile` (an image build stage, a Kubernetes Job) with the service's
+    flags: exit 0, artifacts kept; the service started later loads them."""
+    cache = tmp_path / "compile-cache"
+    flags = ["--embed-model", str(tiny_embed_dir), "--lm-model", "none"]
+    flags += ["--embed-max-batch", "4", "--compilation-mode", "default"]
+    flags += ["--compile-cache-dir", str(cache)]
+    pre = Proc([str(BIN / "inference-svc"), "precompile", *flags], tmp_path / "precompile.log")
+    assert pre.popen.wait(timeout=500) == 0, pre.tail()
+    pre.stop()
+    assert "precompile: done" in pre.text()
+    kept(cache)
+    svc = ServiceProc(tmp_path, ["--port", "0", "--admin-port", "0", *flags], name="after")
+    try:
+        assert [m.artifacts for m in describe(svc).models] == ["loaded"]
+        assert compile_events(warm(tmp_path, svc, "after")) == 0
+    finally:
+        svc.stop()
+    none = Proc([str(BIN / "inference-svc"), "precompile", *flags[:-4]], tmp_path / "none.log")
+    assert none.popen.wait(timeout=120) == 1  # mode none: nothing to compile, a clear error
+    none.stop()
+    assert "compiles nothing" in none.text()

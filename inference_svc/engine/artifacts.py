@@ -174,7 +174,7 @@ def verify(entry: Path, key: ArtifactKey) -> str | None:
 
 class CompileArtifacts:
     """The kept artifacts of one start: opened before the models are built (torch.compile
-    looks up Dynamo packages then), published once the service is SERVING."""
+    looks up Dynamo packages then), published after the last warmup step."""
 
     def __init__(self, root: Path, key: ArtifactKey) -> None:
         self.root, self.key = root, key

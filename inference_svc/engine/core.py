@@ -8,9 +8,9 @@ how it warms is the runtime's business (engine/runtime.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +20,7 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from inference_api.plan import ModelKind, ModelProfile, Plan, Step, plan
+from inference_api.plan import ModelKind, ModelProfile, Plan, Step, StepKind, plan
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
 from inference_svc.engine import artifacts
@@ -35,6 +35,7 @@ from inference_svc.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
+WARMING = (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER)  # steps that compile
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class Engine:
         self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
         self.models_loaded = False
         self.artifacts: artifacts.CompileArtifacts | None = None  # --compile-cache-dir
-        self._publishing: threading.Thread | None = None
+        self._kept = False  # this process has kept (or loaded) its artifacts
         # Called with (serving, reason) whenever the health of the service changes.
         self.on_health: Callable[[bool, str], None] = lambda serving, reason: None
 
@@ -89,14 +90,8 @@ class Engine:
         for runtime in self.runtimes.values():
             runtime.close()
         self.monitor.close()
-        self.wait_for_artifacts(timeout=60)
         if self.artifacts is not None:
             self.artifacts.close()
-
-    def wait_for_artifacts(self, timeout: float | None = None) -> None:
-        """Wait until the artifacts kept after SERVING are written (if any)."""
-        if self._publishing is not None:
-            self._publishing.join(timeout)
 
     # -- the plan -----------------------------------------------------------------
     def profiles(self) -> list[ModelProfile]:
@@ -123,6 +118,7 @@ class Engine:
         if not report.skipped:
             self.gate.invalidate_reseed()
         self.gate.record_warmup(report.as_step())
+        await self._keep_artifacts()
         log.info(
             "warmup %s %s: %s in %.1f s, %d compile events",
             step.kind.name,
@@ -159,19 +155,21 @@ class Engine:
         self.monitor.mark_serving()
         log.info("health: SERVING (boot %s)", self.boot_id)
         self.on_health(True, "warmed up")
-        if self.artifacts is not None and self._publishing is None:
-            self._publishing = threading.Thread(
-                target=self.publish_artifacts, name="publish-artifacts", daemon=True
-            )
-            self._publishing.start()
 
-    def publish_artifacts(self) -> None:
-        """Keep what this start compiled for the next one (after SERVING: nothing compiles)."""
-        if self.artifacts is None:
+    async def _keep_artifacts(self) -> None:
+        """Once every warmup step has run, keep what this start compiled for the next one:
+        inside the last step, so no request shares the CPU with it and a process killed
+        right after SERVING has kept them already."""
+        if self.artifacts is None or self._kept:
             return
+        if not all(self.gate.is_done(s) for s in self.required_steps() if s.kind in WARMING):
+            return
+        self._kept = True
+        start = time.perf_counter()
         try:
-            log.info("compiled artifacts: %s", self.artifacts.publish(self.boot_id))
-        except Exception:  # never let keeping artifacts hurt a serving process
+            outcome = await asyncio.to_thread(self.artifacts.publish, self.boot_id)
+            log.info("compiled artifacts: %s (%.1f s)", outcome, time.perf_counter() - start)
+        except Exception:  # never let keeping artifacts fail the warmup
             log.exception("compiled artifacts: could not keep them")
 
     def _on_late_compile(self, event: LateCompile) -> None:
