@@ -96,6 +96,7 @@ def test_restart_loads_kept_artifacts_and_bad_ones_fall_back(tmp_path, tiny_embe
         assert [m.artifacts for m in describe(svc).models] == ["loaded"]
         warm_log = warm(tmp_path, svc, "warm")
         assert "from kept artifacts" in warm_log  # the sidecar's plan says so
+        assert "graphs from kept artifacts" in warm_log  # and the COMPILE step's report
         assert compile_events(warm_log) == 0
         vectors, late = embed_and_info(svc)
         assert late == 0 and vectors == cold_vectors
@@ -248,3 +249,23 @@ def test_precompile_fills_the_cache_a_service_then_loads(tmp_path, tiny_embed_di
     assert none.popen.wait(timeout=120) == 1  # mode none: nothing to compile, a clear error
     none.stop()
     assert "compiles nothing" in none.text()
+
+
+def test_artifacts_that_broke_a_step_are_set_aside(tmp_path: Path) -> None:
+    """What the engine does when loaded artifacts make a warmup step fail: the directory is
+    renamed aside (kept for a post-mortem) and the next start of the key compiles."""
+    entry = keep(tmp_path, key())
+    loaded = CompileArtifacts(tmp_path, key())
+    try:
+        loaded.choose()
+        assert loaded.loaded
+        aside = loaded.discard()
+    finally:
+        loaded.close()
+    assert aside is not None and aside.name.startswith(".bad-") and not entry.exists()
+    after = CompileArtifacts(tmp_path, key())
+    try:
+        after.choose()
+        assert not after.loaded and after.reason == "none kept yet"
+    finally:
+        after.close()

@@ -215,7 +215,11 @@ class CompileArtifacts:
         others = []
         if self.root.is_dir():
             others = sorted(
-                (p for p in self.root.iterdir() if (p / MANIFEST).is_file()),
+                (
+                    p
+                    for p in self.root.iterdir()
+                    if not p.name.startswith(".") and (p / MANIFEST).is_file()
+                ),
                 key=lambda p: (p / MANIFEST).stat().st_mtime,
             )
         if not others:
@@ -274,6 +278,17 @@ class CompileArtifacts:
                 return f"{self.entry} was kept meanwhile (another replica): not replaced"
             return f"could not keep artifacts in {self.root}: {e}"
         return f"kept in {self.entry} ({len(manifest['files'])} files)"
+
+    def discard(self) -> Path | None:
+        """Set the loaded directory aside (renamed, kept for a post-mortem): the next start
+        of this key compiles. Returns where it went, or None if it could not be moved."""
+        aside = self.root / f".bad-{self.key.digest}-{int(time.time())}"
+        try:
+            os.rename(self.entry, aside)
+        except OSError as e:
+            log.error("compiled artifacts: could not set %s aside: %s", self.entry, e)
+            return None
+        return aside
 
     def close(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)

@@ -9,8 +9,11 @@ how it warms is the runtime's business (engine/runtime.py).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
 import random
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -113,7 +116,12 @@ class Engine:
             raise InvalidArgument(f"model: {step.model!r} is not loaded (loaded models: {loaded})")
         if self.gate.serving:
             log.info("warmup %s %s asked for after SERVING", step.kind.name, step.model)
-        report = await runtime.warm(step)
+        try:
+            report = await runtime.warm(step)
+        except Exception as exc:
+            if runtime.artifacts == "loaded":
+                self._artifacts_failed(f"{step.kind.name} {step.model} failed with them: {exc}")
+            raise
         self.warmup_reports.append(report)
         if not report.skipped:
             self.gate.invalidate_reseed()
@@ -151,10 +159,26 @@ class Engine:
     def mark_serving(self, rewarm: bool = False) -> None:
         self._require_loaded()
         self._refuse_unless_rewarm("MarkServing", rewarm)
+        self.gate.check(self.required_steps())
+        # Loading and compiling leave millions of objects behind: collect them now and
+        # move the survivors out of the collector's sight, so that a full collection does
+        # not land on one of the first requests (it cost the first Embed ~40 ms).
+        gc.collect()
+        gc.freeze()
         self.gate.mark_serving(self.required_steps())
         self.monitor.mark_serving()
         log.info("health: SERVING (boot %s)", self.boot_id)
         self.on_health(True, "warmed up")
+
+    def _artifacts_failed(self, reason: str) -> None:
+        """Loaded artifacts broke a warmup step (a torch error, not a miss: a miss just
+        compiles). This process cannot unload them: set them aside so that the next start
+        compiles, and stop (SIGTERM) so that the supervisor starts that process."""
+        assert self.artifacts is not None
+        moved = self.artifacts.discard()
+        log.error("compiled artifacts: %s; set aside as %s; stopping to start without them",
+                  reason, moved)  # fmt: skip
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def _keep_artifacts(self) -> None:
         """Once every warmup step has run, keep what this start compiled for the next one:

@@ -137,6 +137,7 @@ class EmbeddingRuntime(RuntimeBase):
                 lambda b, gen: m.dummy_run(b.batch_size, b.seq_len, gen),
                 self.monitor,
                 after=self.worker.warm_request,
+                artifacts=self.artifacts,
             )
 
         return await asyncio.wrap_future(self.worker.call(compile_all))

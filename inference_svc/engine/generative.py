@@ -118,8 +118,9 @@ class GenerativeRuntime(RuntimeBase):
             return m.dummy_decode(b.batch_size, b.context_len, gen)
 
         return warmup.compile_buckets(
-            self.name, m.mode, self.buckets(), self._compiled, run_bucket, self.monitor
-        )
+            self.name, m.mode, self.buckets(), self._compiled, run_bucket, self.monitor,
+            artifacts=self.artifacts,
+        )  # fmt: skip
 
     def _planned_paths(self) -> tuple[SamplerPath, ...]:
         for s in plan([self.profile()]).steps:
