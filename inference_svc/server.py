@@ -157,5 +157,5 @@ class AdminServicer(Servicer):
 
     @unary
     async def MarkServing(self, request: Any, context: Any) -> Any:
-        self.engine.mark_serving(request.rewarm)
+        await self.engine.mark_serving(request.rewarm)
         return wire.mark_serving_response(self.engine.boot_id)

@@ -115,6 +115,9 @@ class EmbeddingRuntime(RuntimeBase):
     def buckets(self) -> tuple[Bucket, ...]:
         return warmup.embed_buckets(self.model)
 
+    async def touch(self) -> None:
+        await asyncio.wrap_future(self.worker.call(self.worker.warm_request))
+
     def profile(self) -> ModelProfile:
         m = self.model
         return ModelProfile(

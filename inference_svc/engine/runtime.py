@@ -86,6 +86,9 @@ class ModelRuntime(Protocol):
     def loaded_from_artifacts(self) -> None:
         """Its compiled graphs came from kept artifacts (engine/artifacts.py)."""
 
+    async def touch(self) -> None:
+        """Run the request path once (nothing random, nothing compiled), just before SERVING."""
+
     def profile(self) -> ModelProfile:
         """What the decision table needs to know about this model."""
 
@@ -131,6 +134,9 @@ class RuntimeBase:
 
     def loaded_from_artifacts(self) -> None:
         self.artifacts = "loaded"
+
+    async def touch(self) -> None:
+        return None
 
     def close(self) -> None:
         self.worker.stop()
