@@ -261,6 +261,11 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
         wait_serving(health, svc, ctl, opts.timeout)
         result.to_serving = time.monotonic() - started
         print(f"   SERVING after {result.to_serving:.1f} s", flush=True)
+        # `warmup-ctl --once` exits right after SERVING; its exit (tens of ms of CPU on a
+        # 2-core machine) would land on the first request and be counted as the service's.
+        deadline = time.monotonic() + 30
+        while ctl is not None and ctl.exited() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         for m in re.finditer(r"loaded model (\S+) in ([\d.]+) s", svc.text()):
             result.load[m[1]] = float(m[2])
         for name, call in request_paths(opts.max_tokens).items():

@@ -170,38 +170,49 @@ class HealthRecorder(threading.Thread):
 
 
 def test_restart_in_the_middle_of_warmup(tmp_path: Path, tiny_embed_dir, tiny_lm_dir) -> None:
+    """SIGKILL during each compiled warmup step (COMPILE embedding, COMPILE generative,
+    SAMPLER), a new process each time on the same ports: the sidecar warms each new one and
+    health never says SERVING for a process that has not run its steps."""
     from tests.conftest import tiny_args
 
     port, admin_port = free_port(), free_port()
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
     args += ["--port", str(port), "--admin-port", str(admin_port)]
-    first = ServiceProc(tmp_path, args, name="svc1")
-    ctl = sidecar(tmp_path, first)
+    procs = [ServiceProc(tmp_path, args, name="svc0")]
+    ctl = sidecar(tmp_path, procs[0])
     recorder = HealthRecorder(port, admin_port)
     recorder.start()
-    second = None
     try:
-        first.wait_for_log(r"warmup PROFILE generative", timeout=300)  # now compiling
-        first.stop(sig=9)
-        assert "health: SERVING" not in first.text()
-        second = ServiceProc(tmp_path, args, name="svc2")
-        assert second.boot_id != first.boot_id
-        wait_serving(second, timeout=900)
-        ctl.wait_for_log(second.boot_id, timeout=60)
-        info = stub(second).Info(pb.InfoRequest())
-        assert info.boot_id == second.boot_id and info.serving
+        steps = ("COMPILE embedding", "COMPILE generative", "SAMPLER generative")
+        for n, step in enumerate(steps, 1):
+            victim = procs[-1]
+            started = rf"step \d+/\d+: {step} \.\.\.$"  # the sidecar's line as it starts
+            seen = len(re.findall(started, ctl.text(), re.M))
+            deadline = time.monotonic() + 300
+            while len(re.findall(started, ctl.text(), re.M)) == seen:
+                assert time.monotonic() < deadline, f"{step} never started:\n{ctl.tail()}"
+                time.sleep(0.05)
+            time.sleep(0.3)  # inside the step
+            victim.stop(sig=9)
+            assert "health: SERVING" not in victim.text(), f"SERVING before {step} ran"
+            procs.append(ServiceProc(tmp_path, args, name=f"svc{n}"))
+        last = procs[-1]
+        assert len({p.boot_id for p in procs}) == len(procs)
+        wait_serving(last, timeout=900)
+        ctl.wait_for_log(last.boot_id, timeout=60)
+        info = stub(last).Info(pb.InfoRequest())
+        assert info.boot_id == last.boot_id and info.serving
         time.sleep(0.5)
         recorder.stop_event.set()
         recorder.join()
         assert recorder.serving_boots, "the recorder never saw SERVING"
-        assert {boot for boot, _ in recorder.serving_boots} == {second.boot_id}
+        assert {boot for boot, _ in recorder.serving_boots} == {last.boot_id}
         assert all(warmed for _, warmed in recorder.serving_boots)
     finally:
         recorder.stop_event.set()
         ctl.stop()
-        first.stop()
-        if second is not None:
-            second.stop()
+        for proc in procs:
+            proc.stop()
 
 
 def test_a_step_that_keeps_failing_leaves_the_service_not_serving(
