@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="inference-svc",
         description="gRPC inference service (Embed, Generate) behind a warmup health gate: "
         "NOT_SERVING until warmup-ctl has run the warmup steps Describe requires. Each "
-        "flag's default can also be set by the environment variable named beside it.",
+        "flag's default can also be set by the environment variable named beside it. "
+        "'inference-svc precompile [flags]' runs the warmup steps in process, keeps the "
+        "compiled artifacts in --compile-cache-dir and exits.",
     )
     f = functools.partial(_flag, p)
     f("--host", d.host, "public interface (Inference, grpc.health.v1, reflection)")
