@@ -20,7 +20,13 @@ import pytest
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from inference_svc.engine.artifacts import MANIFEST, ArtifactKey, CompileArtifacts, verify
+from inference_svc.engine.artifacts import (
+    MANIFEST,
+    ArtifactKey,
+    CompileArtifacts,
+    _refused_marker,
+    verify,
+)
 from tests.procs import BIN, Proc, ServiceProc, sidecar
 
 pytestmark = pytest.mark.timeout(600)
@@ -259,7 +265,7 @@ def test_artifacts_that_broke_a_step_are_set_aside(tmp_path: Path) -> None:
     try:
         loaded.choose()
         assert loaded.loaded
-        aside = loaded.discard()
+        aside = loaded.discard("COMPILE embedding failed with them: IndexError()")
     finally:
         loaded.close()
     assert aside is not None and aside.name.startswith(".bad-") and not entry.exists()
@@ -269,3 +275,13 @@ def test_artifacts_that_broke_a_step_are_set_aside(tmp_path: Path) -> None:
         assert not after.loaded and after.reason == "none kept yet"
     finally:
         after.close()
+    # A read-only volume cannot be renamed: the refusal is remembered on this machine.
+    keep(tmp_path, key())
+    again = CompileArtifacts(tmp_path, key())
+    try:
+        again.choose()
+        assert not again.loaded and "it failed on this machine before" in again.reason
+        assert "IndexError" in again.reason
+    finally:
+        again.close()
+        _refused_marker(key()).unlink()

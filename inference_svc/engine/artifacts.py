@@ -194,6 +194,14 @@ class CompileArtifacts:
 
     def choose(self) -> None:
         """Copy usable kept artifacts into the private working directory, or say why not."""
+        marker = _refused_marker(self.key)
+        if self.entry.is_dir() and marker.is_file():
+            self.reason = (
+                f"{self.entry} not used: it failed on this machine before "
+                f"({marker.read_text()[:300]}); delete {marker} to try it again"
+            )
+            log.warning("compiled artifacts: %s; compiling", self.reason)
+            return
         if self.entry.is_dir():
             problem = verify(self.entry, self.key)
             if problem is None:
@@ -279,9 +287,17 @@ class CompileArtifacts:
             return f"could not keep artifacts in {self.root}: {e}"
         return f"kept in {self.entry} ({len(manifest['files'])} files)"
 
-    def discard(self) -> Path | None:
-        """Set the loaded directory aside (renamed, kept for a post-mortem): the next start
-        of this key compiles. Returns where it went, or None if it could not be moved."""
+    def discard(self, reason: str) -> Path | None:
+        """Loaded artifacts failed (a torch error, not a miss): set the directory aside
+        (renamed, kept for a post-mortem) so that the next start of this key compiles, and
+        remember the refusal on this machine (the temp directory) for a read-only volume
+        that cannot be renamed. Returns where the directory went, or None."""
+        marker = _refused_marker(self.key)
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(reason)
+        except OSError as e:
+            log.error("compiled artifacts: could not write %s: %s", marker, e)
         aside = self.root / f".bad-{self.key.digest}-{int(time.time())}"
         try:
             os.rename(self.entry, aside)
@@ -311,6 +327,10 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     )
     key = make_key(config.compilation_mode.value, numerics, shapes, model_dirs)
     return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key)
+
+
+def _refused_marker(key: ArtifactKey) -> Path:
+    return Path(tempfile.gettempdir()) / "inference-svc-refused-artifacts" / key.digest
 
 
 def _quiet_dropped_guards(record: logging.LogRecord) -> bool:

@@ -78,7 +78,16 @@ class Engine:
             before = artifacts.dynamo_cache_counts()
             # On the compute thread: it is the only thread that runs torch's parallel
             # kernels in this process (engine/worker.py says why).
-            runtime = self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
+            try:
+                runtime = self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
+            except Exception as exc:
+                if self.artifacts is not None and self.artifacts.loaded:
+                    moved = self.artifacts.discard(f"loading {spec.name} failed: {exc!r}")
+                    log.error(
+                        "compiled artifacts: loading model %s with them failed (%r); set "
+                        "aside as %s: the next start compiles", spec.name, exc, moved,
+                    )  # fmt: skip
+                raise
             if self.artifacts is not None:
                 runtime.artifacts = self.artifacts.model_status(spec.name, before)
                 if runtime.artifacts == "loaded":
@@ -179,7 +188,7 @@ class Engine:
         compiles). This process cannot unload them: set them aside so that the next start
         compiles, and stop (SIGTERM) so that the supervisor starts that process."""
         assert self.artifacts is not None
-        moved = self.artifacts.discard()
+        moved = self.artifacts.discard(reason)
         log.error("compiled artifacts: %s; set aside as %s; stopping to start without them",
                   reason, moved)  # fmt: skip
         os.kill(os.getpid(), signal.SIGTERM)
