@@ -170,12 +170,13 @@ class Engine:
         self._refuse_unless_rewarm("MarkServing", rewarm)
         self.gate.check(self.required_steps())
         # The request path once more, right before SERVING: the other model's warmup steps
-        # ran since (an Embed first after the LM's steps took 30-50 ms against 8).
+        # ran since. (Measured: it did not change the first Embed after a restart, 14 ms
+        # against 8; the 30-50 ms once seen was the --once sidecar's exit, not this.)
         for runtime in self.runtimes.values():
             await runtime.touch()
         # Loading and compiling leave millions of objects behind: collect them now and
         # move the survivors out of the collector's sight, so that a full collection does
-        # not land on one of the first requests (it cost the first Embed ~40 ms).
+        # not land on one of the first requests (no first-request gain measured either).
         gc.collect()
         gc.freeze()
         self.gate.mark_serving(self.required_steps())
