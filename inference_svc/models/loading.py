@@ -6,12 +6,14 @@ Nothing is fetched from a model hub: every load runs with HF_HUB_OFFLINE=1 and
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -91,6 +93,30 @@ def load_hf_causal_lm(directory: Path, dtype: torch.dtype) -> tuple[object, obje
     return model, tokenizer
 
 
+@contextlib.contextmanager
+def _registry_unchanged() -> Iterator[None]:
+    """Leave transformers' process-wide output-capture registry as it was.
+
+    Building a transformers model adds its classes to ``_CAN_RECORD_REGISTRY``, a
+    dict the embedding encoder reads in its forward, so Dynamo guards on it. The
+    causal LM is only built here to be converted (a cached conversion skips it),
+    so without this a start that converted and one that read the cached
+    conversion differ in that dict, and compiled artifacts kept by one fail to
+    load in the other.
+    """
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY as registry
+    except ImportError:  # another transformers version: nothing to restore
+        yield
+        return
+    before = dict(registry)
+    try:
+        yield
+    finally:
+        dict.clear(registry)
+        dict.update(registry, before)
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,7 +148,8 @@ def load_causal_lm_parts(
     cached = cache_dir / _cache_key(directory / gguf) if gguf and cache_dir else None
     if cached is not None and (cached / "complete").exists():
         return _read_cached(cached)
-    hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
+    with _registry_unchanged():
+        hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
     state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
     if cached is not None:
         try:
