@@ -13,11 +13,15 @@ measures it from the outside over gRPC:
 
 For each arm: seconds from process start to SERVING (grpc.health.v1 Check of
 inference.v1.Inference every 0.2 s), the model load times from the service log, and for each
-request path the first request's latency, the median of --repeats more, and first / median;
-then Info.late_compile_events and the service's 'late compile after SERVING' lines.
+request path the first request's latency, the median of --repeats more (each after --gap
+seconds idle, like the first), and first / median; then Info.late_compile_events and the
+service's 'late compile after SERVING' lines.
 
   .venv/bin/python bench/cold_start.py --out /tmp/bench.md
   .venv/bin/python bench/cold_start.py --arms none sidecar --repeats 5 -- --gen-max-batch 2
+  .venv/bin/python bench/cold_start.py --arms sidecar none restart none restart none restart
+
+An arm named again starts again; the start-to-SERVING ratios use each arm's median.
 
 Arguments after `--` go to every inference-svc. Each arm gets a fresh, empty
 TORCHINDUCTOR_CACHE_DIR (a first deploy) unless --warm-cache DIR names one to reuse; the
@@ -159,7 +163,9 @@ def request_paths(max_tokens: int) -> dict[str, Call]:
     }
 
 
-def timed(call: Callable[[], object]) -> float:
+def timed(call: Callable[[], object], gap: float) -> float:
+    """Seconds one call takes, after ``gap`` seconds idle (see --gap)."""
+    time.sleep(gap)
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
@@ -211,8 +217,11 @@ def late_compile_lines(log: str) -> list[str]:
     return [f"{n} x {cause}" for cause, n in Counter(found).items()]
 
 
-def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_dir: Path) -> None:
-    """Runs one arm, filling ``result`` as it goes (a failure keeps what was measured)."""
+def run_arm(
+    result: ArmResult, opts: argparse.Namespace, extra: list[str], log_dir: Path, tag: str
+) -> None:
+    """Runs one arm, filling ``result`` as it goes (a failure keeps what was measured);
+    ``tag`` names its log files (the arm, numbered when --arms repeats it)."""
     arm = result.arm
     result.commit = git_commit()
     mode = "none" if arm == "none" else opts.compiled_mode
@@ -226,7 +235,7 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
             "PYTHONUNBUFFERED": "1",
             "TORCHINDUCTOR_CACHE_DIR": str(cache),
         }
-        port_file = log_dir / f"{arm}.ports.json"
+        port_file = log_dir / f"{tag}.ports.json"
         port_file.unlink(missing_ok=True)
         svc_args = [*extra, "--port", "0", "--admin-port", "0", "--port-file", str(port_file)]
         svc_args += ["--compilation-mode", mode]
@@ -241,7 +250,7 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
             cmd = [str(BIN / "inference-svc")]
         print(f"\n== {arm}: {shlex.join(cmd + svc_args)}", flush=True)
         started = time.monotonic()
-        svc = Child(cmd + svc_args, log_dir / f"{arm}.svc.log", env)
+        svc = Child(cmd + svc_args, log_dir / f"{tag}.svc.log", env)
         result.logs.append(svc.log)
         stack.callback(svc.stop)  # callbacks run last-in first-out: the sidecar stops first
         port, admin_port = wait_ports(svc, port_file)
@@ -255,7 +264,7 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
         else:
             ctl_argv = [str(BIN / "warmup-ctl"), "--admin", f"127.0.0.1:{admin_port}"]
             ctl_argv += ["--public", f"127.0.0.1:{port}", "--once", *shlex.split(opts.ctl_args)]
-            ctl = Child(ctl_argv, log_dir / f"{arm}.ctl.log", env)
+            ctl = Child(ctl_argv, log_dir / f"{tag}.ctl.log", env)
             result.logs.append(ctl.log)
             stack.callback(ctl.stop)
         wait_serving(health, svc, ctl, opts.timeout)
@@ -269,9 +278,9 @@ def run_arm(result: ArmResult, opts: argparse.Namespace, extra: list[str], log_d
         for m in re.finditer(r"loaded model (\S+) in ([\d.]+) s", svc.text()):
             result.load[m[1]] = float(m[2])
         for name, call in request_paths(opts.max_tokens).items():
-            first = timed(lambda c=call: c(inference))
+            first = timed(lambda c=call: c(inference), opts.gap)
             steady = statistics.median(
-                timed(lambda c=call: c(inference)) for _ in range(opts.repeats)
+                timed(lambda c=call: c(inference), opts.gap) for _ in range(opts.repeats)
             )
             result.paths[name] = PathTiming(first, steady)
             print(f"   {name}: first {first:.3f} s, median {steady:.3f} s", flush=True)
@@ -306,7 +315,8 @@ def table(results: list[ArmResult], opts: argparse.Namespace, extra: list[str]) 
     args = f"; service args: {shlex.join(extra)}" if extra else ""
     lines = [
         f"Cold start, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs; compiled arms: "
-        f"--compilation-mode {opts.compiled_mode}; median of {opts.repeats} repeats; "
+        f"--compilation-mode {opts.compiled_mode}; median of {opts.repeats} repeats, each "
+        f"(and the first) after {opts.gap:g} s idle; "
         f"max_tokens {opts.max_tokens}; inductor cache {cache}{args}",
         "",
         "| arm | commit | start to SERVING (s) | model load (s) | late compile events |",
@@ -317,11 +327,16 @@ def table(results: list[ArmResult], opts: argparse.Namespace, extra: list[str]) 
         serving = "-" if r.to_serving is None else f"{r.to_serving:.1f}"
         late = "-" if r.late_compiles is None else str(r.late_compiles)
         lines.append(f"| {r.arm} | {r.commit} | {serving} | {load} | {late} |")
-    serving = {r.arm: r.to_serving for r in results if r.to_serving}
+    starts: dict[str, list[float]] = {}
+    for r in results:
+        if r.to_serving:
+            starts.setdefault(r.arm, []).append(r.to_serving)
+    serving = {arm: statistics.median(times) for arm, times in starts.items()}
     if "restart" in serving:
         ratios = [f"restart / {arm} {serving['restart'] / serving[arm]:.2f}"
                   for arm in ("sidecar", "none") if arm in serving]  # fmt: skip
-        lines += ["", "Start to SERVING: " + ", ".join(ratios)]
+        n = ", ".join(f"{arm} {len(times)}" for arm, times in starts.items())
+        lines += ["", f"Start to SERVING: {', '.join(ratios)} (medians; starts: {n})"]
     lines += ["", "| arm | path | first (s) | steady median (s) | first / median |"]
     lines.append("|---|---|---:|---:|---:|")
     for r in results:
@@ -347,9 +362,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add = p.add_argument
-    add("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="arms to run, in order")
+    add(
+        "--arms",
+        nargs="+",
+        choices=ARMS,
+        default=list(ARMS),
+        help="arms to run, in order; an arm named again starts again (e.g. none restart "
+        "none restart: the ratios use each arm's median start)",
+    )
     add("--repeats", type=int, default=10, help="steady requests per path after the first")
     add("--max-tokens", type=int, default=8, help="max_tokens of each Generate")
+    add(
+        "--gap",
+        type=float,
+        default=1.0,
+        help="seconds idle before every timed request, the first included: the first "
+        "request follows an idle spell, and on a shared VM the next forward after an idle "
+        "second is slower (Embed's forward in mode none: 9.5 against 5.8 ms back to back), "
+        "so steady requests are timed after the same spell, or first / median measures "
+        "idleness instead of cold paths",
+    )
     add("--compiled-mode", choices=["default", "max-autotune"], default="default")
     add("--warm-cache", metavar="DIR", help="reuse this TORCHINDUCTOR_CACHE_DIR in every arm")
     add(
@@ -363,6 +395,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--log-dir", type=Path, help="where the logs go (default: a new temp dir)")
     add("--out", type=Path, help="also write the markdown tables here")
     opts = p.parse_args(ours)
+    if opts.arms.count("sidecar") > 1:
+        p.error("sidecar is a cold start: it runs once (what it keeps makes a later one a restart)")
     if opts.repeats < 1 or opts.max_tokens < 1:
         p.error("--repeats and --max-tokens must be at least 1")
     return opts, extra
@@ -391,10 +425,12 @@ def main(argv: list[str]) -> int:
     results: list[ArmResult] = []
     status = 0
     try:
-        for arm in opts.arms:
+        for k, arm in enumerate(opts.arms):
             results.append(result := ArmResult(arm))
+            runs = opts.arms.count(arm)
+            tag = f"{arm}-{opts.arms[: k + 1].count(arm)}" if runs > 1 else arm
             try:
-                run_arm(result, opts, extra, log_dir)
+                run_arm(result, opts, extra, log_dir, tag)
             except KeyboardInterrupt:
                 result.error = "interrupted"
                 raise
