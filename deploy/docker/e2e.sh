@@ -28,6 +28,10 @@
 #   E2E_TLS=1             TLS on the public port (deploy/docker/compose.tls.yml, a dev CA made
 #                         by deploy/tls/make-dev-certs.sh): clients from the host speak TLS,
 #                         plaintext is refused, the sidecar's public health check says SERVING
+#   E2E_PRECOMPILE=1      ship warm: build with PRECOMPILE=<the mode> (the Dockerfile runs
+#                         `inference-svc precompile` with this machine's thread count); the
+#                         first start must load the image's artifacts: the sidecar's plan says
+#                         "from kept artifacts" and its COMPILE steps report 0 compile events
 #   BASE_IMAGE            skip step 2 and build on this image instead
 # Prints a timing line per stage, and "e2e: PASS" last. Needs root.
 set -euo pipefail
@@ -132,7 +136,11 @@ if ! ls deploy/docker/local/wheels/torch-*.whl >/dev/null 2>&1; then
 fi
 ca=${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}
 if [ -s "$ca" ]; then cp "$ca" deploy/docker/local/ca-certificates.crt; fi
-docker build --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$IMAGE" . >.cache/e2e-build.log 2>&1 ||
+build_args=(--build-arg BASE_IMAGE="$BASE_IMAGE")
+if [ "${E2E_PRECOMPILE:-0}" = 1 ]; then
+    build_args+=(--build-arg PRECOMPILE="$MODE" --build-arg PRECOMPILE_THREADS="$(nproc)")
+fi
+docker build "${build_args[@]}" -t "$IMAGE" . >.cache/e2e-build.log 2>&1 ||
     { tail -40 .cache/e2e-build.log >&2; log "image build failed (.cache/e2e-build.log)"; exit 1; }
 size=$(docker image inspect --format '{{.Size}}' "$IMAGE")
 stage "image build"
@@ -275,6 +283,16 @@ while :; do
     sleep 5
 done
 stage "cold start to healthy"
+if [ "${E2E_PRECOMPILE:-0}" = 1 ]; then  # shipped warm: nothing may have compiled
+    ctl_log=$("${compose[@]}" logs --no-color warmup-ctl 2>&1)
+    grep -E "step [0-9]+/[0-9]+: COMPILE .* compile events" <<<"$ctl_log" >&2 || true
+    grep -q "from kept artifacts" <<<"$ctl_log" ||
+        { log "the first start did not load the image's artifacts"; exit 1; }
+    if grep -E "step [0-9]+/[0-9]+: COMPILE .* [1-9][0-9]* compile events" <<<"$ctl_log" >&2; then
+        log "the first start compiled beside the image's artifacts"; exit 1
+    fi
+    log "shipped warm: the first start loaded the image's artifacts, 0 compile events"
+fi
 
 wait "$up_pid" || { cat .cache/e2e-up.log >&2; log "docker-compose up failed"; exit 1; }
 client=$(cid_of client)

@@ -265,14 +265,11 @@ def load_generative(
             f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "
             f"{shape.max_positions} positions"
         )
-    lm = LlamaLM(shape)
     if shape.tie_embeddings:
         state.pop("lm_head.weight", None)
-    missing, unexpected = lm.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (shape.tie_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    lm.tie_weights()
+    lm, missing = LlamaLM.from_state(shape, state)
+    if missing:
+        raise ValueError(f"weights do not fit: missing {missing[:5]}")
     del state
     lm = lm.to(device=device, dtype=dtype).eval()
     convert_linears(lm, weights)
