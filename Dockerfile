@@ -88,15 +88,18 @@ ENV PATH=/opt/venv/bin:$PATH \
     INFERENCE_ADDR=127.0.0.1:50051
 # Ship warm (before VOLUME: a build step's writes under a volume path are dropped). A
 # compose named volume starts as a copy of this directory.
+# It runs as the service's user: inductor's C++ kernels are keyed on their compile command,
+# which names a per-user header directory ($TMPDIR/torchinductor_<user>), so kernels that
+# root compiled would not be found by the service (the artifacts key names that directory).
 ARG PRECOMPILE=""
 ARG PRECOMPILE_THREADS=2
+USER 10001:10001
 RUN if [ -n "$PRECOMPILE" ]; then \
         OMP_NUM_THREADS=$PRECOMPILE_THREADS inference-svc precompile \
-            --compilation-mode "$PRECOMPILE" && rm -rf /tmp/inference-svc-compile-* \
-        && chown -R 10001:10001 /var/cache/inference-svc; \
+            --compilation-mode "$PRECOMPILE" \
+        && rm -rf /tmp/inference-svc-compile-* /tmp/torchinductor_*; \
     fi
 VOLUME ["/var/cache/inference-svc", "/models"]
-USER 10001:10001
 WORKDIR /home/app
 EXPOSE 50051
 CMD ["inference-svc", "--port", "50051", "--admin-port", "50052", "--admin-host", "127.0.0.1"]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +165,11 @@ def keep(root: Path, k: ArtifactKey) -> Path:
         (key(threads="8"), "thread count (8 there, 2 here)"),
         (key(**{"weights:embedding": "w0"}), "weights of embedding (w0 there, w1 here)"),
         (key(torch="2.12.0+cpu"), "torch version (2.12.0+cpu there, 2.13.0+cpu here)"),
+        (
+            key(headers="/tmp/torchinductor_root/precompiled_headers"),
+            "precompiled-header directory (per user: $TMPDIR/torchinductor_<user>) "
+            "(/tmp/torchinductor_root/precompiled_headers there, None here)",
+        ),
     ],
 )
 def test_artifacts_for_another_key_are_not_used_and_the_log_says_why(
@@ -285,3 +293,19 @@ def test_artifacts_that_broke_a_step_are_set_aside(tmp_path: Path) -> None:
     finally:
         again.close()
         _refused_marker(key()).unlink()
+
+
+def test_the_key_names_the_users_kernel_header_directory(tmp_path: Path) -> None:
+    # Seen in a container: artifacts kept by root (the image build) and loaded by the
+    # service's user missed every C++ kernel (their compile command names a per-user header
+    # directory) and recompiling one beside the loaded graphs failed. The key tells them apart.
+    def headers(user: str) -> str:
+        code = "from inference_svc.engine.artifacts import header_dir; print(header_dir())"
+        env = {**os.environ, "USER": user, "LOGNAME": user, "TMPDIR": str(tmp_path)}
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+        )
+        return out.stdout.strip()
+
+    root, app = headers("root"), headers("app")
+    assert root != app and "torchinductor_app" in app and app.startswith(str(tmp_path))

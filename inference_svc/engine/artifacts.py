@@ -57,6 +57,7 @@ FIELD_NAMES = {
     "numerics": "numerics (--dtype, --lm-weights)",
     "shapes": "shape limits",
     "code": "code of the compiled functions",
+    "headers": "inductor's precompiled-header directory (per user: $TMPDIR/torchinductor_<user>)",
 }
 
 
@@ -104,6 +105,18 @@ def cpu_digest() -> str:
     return f"{capability}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
+def header_dir() -> str:
+    """Where inductor keeps precompiled headers: its C++ kernels are keyed on their compile
+    command, which names this directory, so kernels compiled by another user (another
+    directory) are never found, and recompiling them beside loaded graphs fails."""
+    from torch._inductor import codecache
+    from torch._inductor import config as inductor_config
+
+    if not inductor_config.cpp_cache_precompile_headers:
+        return "off"
+    return str(getattr(codecache, "_HEADER_DIR", "unknown"))
+
+
 @dataclass(frozen=True)
 class ArtifactKey:
     fields: dict[str, str]
@@ -136,6 +149,7 @@ def make_key(
         "numerics": numerics,
         "shapes": json.dumps(shapes, sort_keys=True),
         "code": code_digest(),
+        "headers": header_dir(),
     }
     for name, directory in sorted(model_dirs.items()):
         fields[f"weights:{name}"] = weights_digest(directory)
