@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import pytest
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
+from inference_svc.engine import artifacts
 from inference_svc.engine.artifacts import (
     MANIFEST,
     ArtifactKey,
@@ -309,3 +311,23 @@ def test_the_key_names_the_users_kernel_header_directory(tmp_path: Path) -> None
 
     root, app = headers("root"), headers("app")
     assert root != app and "torchinductor_app" in app and app.startswith(str(tmp_path))
+
+
+def test_a_noexec_temp_directory_is_not_where_kernels_are_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Docker mounts a tmpfs /tmp noexec: compiled kernels there fail to load ("failed to map
+    # segment from shared object"). The working directory then goes in the cache directory.
+    tmp, root = tmp_path / "tmp", tmp_path / "cache"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(artifacts, "_executable", lambda d: Path(d) != tmp)
+    chosen = CompileArtifacts(root, key())
+    try:
+        assert chosen.staging.parent == root and chosen.staging.name.startswith(".")
+        assert "is mounted noexec" in caplog.text
+    finally:
+        chosen.close()
+    monkeypatch.setattr(artifacts, "_executable", lambda d: False)
+    with pytest.raises(OSError, match=r"mount .* with exec"):
+        CompileArtifacts(root, key())

@@ -48,6 +48,9 @@ def test_job_compiles_what_the_service_loads() -> None:
     assert pre["resources"]["requests"]["cpu"] == svc["resources"]["requests"]["cpu"]
     threads = {e["name"]: e for e in pre["env"]}["OMP_NUM_THREADS"]
     assert threads == {e["name"]: e for e in svc["env"]}["OMP_NUM_THREADS"]
+    # The same user: inductor's C++ kernels are keyed on a per-user header directory.
+    pod = deployment()["spec"]["template"]["spec"]
+    assert job["securityContext"]["runAsUser"] == pod["securityContext"]["runAsUser"]
     # Where the Job writes is where the service looks, on the same claim.
     cache = flag(pre["command"], "--compile-cache-dir")
     pre_mounts = {m["mountPath"]: m["name"] for m in pre["volumeMounts"]}

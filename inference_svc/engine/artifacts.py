@@ -19,6 +19,7 @@ filled once, mounted read-only by many replicas) works: nothing is written to it
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -117,6 +118,37 @@ def header_dir() -> str:
     return str(getattr(codecache, "_HEADER_DIR", "unknown"))
 
 
+def _executable(directory: Path) -> bool:
+    """Whether shared objects in ``directory`` can be loaded: inductor dlopens the C++
+    kernels it compiles there, and Docker mounts a tmpfs ``noexec`` unless told otherwise."""
+    try:
+        return not os.statvfs(directory).f_flag & os.ST_NOEXEC and os.access(directory, os.W_OK)
+    except OSError:
+        return False
+
+
+def work_parent(root: Path) -> Path:
+    """Where a process's private working directory goes: the temp directory, unless it is
+    mounted noexec (a container's tmpfs /tmp), then the compile cache directory."""
+    tmp = Path(tempfile.gettempdir())
+    if _executable(tmp):
+        return tmp
+    with contextlib.suppress(OSError):
+        root.mkdir(parents=True, exist_ok=True)
+    if root.is_dir() and _executable(root):
+        log.warning(
+            "compiled artifacts: %s is mounted noexec (compiled kernels cannot load from it); "
+            "working in %s instead (mount it with exec, e.g. compose `tmpfs: [/tmp:exec]`)",
+            tmp,
+            root,
+        )
+        return root
+    raise OSError(
+        f"no directory to compile in: {tmp} is mounted noexec or read-only (compiled kernels "
+        f"cannot load from it) and so is {root}; mount {tmp} with exec"
+    )
+
+
 @dataclass(frozen=True)
 class ArtifactKey:
     fields: dict[str, str]
@@ -193,7 +225,9 @@ class CompileArtifacts:
     def __init__(self, root: Path, key: ArtifactKey) -> None:
         self.root, self.key = root, key
         self.entry = root / key.digest
-        self.staging = Path(tempfile.mkdtemp(prefix="inference-svc-compile-"))
+        parent = work_parent(root)
+        prefix = ".work-" if parent == root else "inference-svc-compile-"  # hidden in the root
+        self.staging = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
         self.loaded = False
         self.reason = ""  # why nothing was loaded
 
