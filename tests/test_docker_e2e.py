@@ -120,7 +120,12 @@ def test_compile_cache_and_models_are_volumes() -> None:
     assert "TORCHINDUCTOR_CACHE_DIR" in dict(caches)
     for env, path in caches:
         assert path.startswith(mounts["compile-cache"].rstrip("/") + "/"), env
-    assert server["read_only"] is True and "/tmp" in server["tmpfs"]
+    assert server["read_only"] is True
+    # Compiled kernels are dlopened from the service's working dir under /tmp: it must allow exec.
+    tmp_options = [
+        t.split(":", 1)[1].split(",") for t in server["tmpfs"] if t.split(":")[0] == "/tmp"
+    ]
+    assert tmp_options and "exec" in tmp_options[0] and "noexec" not in tmp_options[0]
     assert mounts["models"] == "/models"
     assert {"compile-cache", "models"} <= set(doc["volumes"])
 
