@@ -97,7 +97,8 @@ class GenerativeRuntime(RuntimeBase):
         match step.kind:
             case StepKind.PROFILE:
                 fraction = self.kv_cache.memory_fraction
-                return lambda: warmup.profile(m, fraction, self._compiled, mon)
+                loaded = self.artifacts == "loaded"
+                return lambda: warmup.profile(m, fraction, self._compiled, mon, loaded)
             case StepKind.COMPILE:
                 return self._compile
             case StepKind.SAMPLER:

@@ -54,9 +54,14 @@ def generative_buckets(m: GenerativeModel) -> tuple[Bucket, ...]:
 
 
 def profile(
-    m: GenerativeModel, fraction: float, compiled: set[Bucket], monitor: CompileMonitor
+    m: GenerativeModel,
+    fraction: float,
+    compiled: set[Bucket],
+    monitor: CompileMonitor,
+    loaded: bool = False,
 ) -> StepReport:
-    """Size the KV cache from a profile forward at the largest shape."""
+    """Size the KV cache from a profile forward at the largest shape. ``loaded``: the
+    graphs came from kept artifacts, so the measured run is also their first."""
     if m.cache_rows:
         report = StepReport.skip(
             m.name, StepKind.PROFILE, f"KV cache already sized: {m.kv_cache_tokens} tokens"
@@ -78,12 +83,15 @@ def profile(
             m.dummy_decode(batch, context, gen)
             m.dummy_prefill(chunk.seq_len, chunk.context_len, gen)
 
-        if m.mode is not CompilationMode.NONE:
+        if m.mode is not CompilationMode.NONE and not loaded:
             # Compile first, then measure a second run: the compiler's own memory is not
-            # the forward's and would shrink the cache for nothing.
+            # the forward's and would shrink the cache for nothing. (Graphs loaded from
+            # artifacts do not compile: one run. Should one miss, the compiler's memory
+            # counts as the forward's: a smaller cache, never a larger one.)
             forwards()
-            compiled.update(largest)
         peak = peak_during(m.device, forwards)
+        if m.mode is not CompilationMode.NONE:
+            compiled.update(largest)
         report.buckets.extend(largest)
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
         fits = max(budget, 0) // (m.kv_bytes_per_token() * m.limits.max_seq_len)
