@@ -12,6 +12,7 @@ Prints the table and the goals' ratios, writes bench/results/compiled.json and
 compiled.png. bench/accuracy.py measures what each option costs in accuracy.
 
   .venv/bin/python bench/compiled.py [--modes none,default] [--seconds 15] [--no-peers]
+      [--freeze-weights on]   (the compiled services frozen; results in compiled-frozen.*)
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -41,8 +42,13 @@ LM_OPTIONS = {"float32": [], "bf16-linear": ["--lm-weights", "bfloat16"],
               "int4-linear": ["--lm-weights", "int4"]}  # fmt: skip
 
 
-def embed_arm(mode: str, option: str, seconds: float) -> dict:
+def _freeze(mode: str, freeze: str) -> list[str]:
+    return ["--freeze-weights", freeze] if mode != "none" else []
+
+
+def embed_arm(mode: str, option: str, seconds: float, freeze: str = "off") -> dict:
     args = ["--lm-model", "none", "--compilation-mode", mode, *EMBED_OPTIONS[option]]
+    args += _freeze(mode, freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
         out = {"warm_s": svc.warm_s}
         for n in (1, 32):
@@ -52,8 +58,9 @@ def embed_arm(mode: str, option: str, seconds: float) -> dict:
         return out
 
 
-def generate_arm(mode: str, option: str, tokens: int) -> dict:
+def generate_arm(mode: str, option: str, tokens: int, freeze: str = "off") -> dict:
     args = ["--embed-model", "none", "--compilation-mode", mode, *LM_OPTIONS[option]]
+    args += _freeze(mode, freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
 
         async def run() -> dict:
@@ -142,13 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
+    p.add_argument(
+        "--freeze-weights", choices=("off", "on"), default="off",
+        help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
+    )  # fmt: skip
     a = p.parse_args(argv)
-    path = RESULTS / "compiled.json"
+    stem = "compiled" if a.freeze_weights == "off" else "compiled-frozen"
+    path = RESULTS / f"{stem}.json"
     if a.replot:
         r = json.loads(path.read_text())
     else:
         modes = a.modes.split(",")
         r = {"modes": modes, "threads": cpu_threads(), "embed": {}, "generate": {}}
+        r["freeze_weights"] = a.freeze_weights
         RESULTS.mkdir(parents=True, exist_ok=True)
         if not a.no_peers:
             r["sentence_transformers_b32"] = sentence_transformers_batch(32, a.seconds)
@@ -156,14 +169,18 @@ def main(argv: list[str] | None = None) -> int:
             r["llama_cpp_1"] = peer["curve"][0]["tok_s"] if peer else None
         for option in EMBED_OPTIONS:
             for mode in modes:
-                r["embed"][f"{mode} {option}"] = embed_arm(mode, option, a.seconds)
+                r["embed"][f"{mode} {option}"] = embed_arm(
+                    mode, option, a.seconds, a.freeze_weights
+                )
                 path.write_text(json.dumps(r, indent=1))
         for option in LM_OPTIONS:
             for mode in modes:
-                r["generate"][f"{mode} {option}"] = generate_arm(mode, option, a.tokens)
+                r["generate"][f"{mode} {option}"] = generate_arm(
+                    mode, option, a.tokens, a.freeze_weights
+                )
                 path.write_text(json.dumps(r, indent=1))
     report(r)
-    save_plot(plot, r, RESULTS / "compiled.png")
+    save_plot(plot, r, RESULTS / f"{stem}.png")
     return 0
 
 
