@@ -128,3 +128,41 @@ async def test_a_model_kind_not_loaded_is_invalid_argument(tiny_embed_dir, tiny_
     finally:
         await c.close()
         await service.stop(0)
+
+
+async def test_freeze_weights_on_freezes_the_graphs(
+    tiny_embed_dir, tiny_lm_dir, eager_results, monkeypatch
+):
+    """--freeze-weights on: inductor's freezing pass runs for every graph (the weights
+    become constants), the warmup still leaves 0 late compiles, and the results are eager's."""
+    from torch._inductor import freezing
+
+    frozen = []
+    real_freeze = freezing.freeze
+
+    def spy(*args, **kwargs):
+        frozen.append(1)
+        return real_freeze(*args, **kwargs)
+
+    monkeypatch.setattr(freezing, "freeze", spy)
+    # Graphs an earlier service of this test process compiled would be reused: Dynamo's
+    # guards do not cover inductor's config (one process serves one configuration).
+    torch._dynamo.reset()
+    args = tiny_args(
+        tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", "--freeze-weights", "on"
+    )
+    service, c = await start_service(args)
+    try:
+        await service.loaded()
+        reports = await c.warm_and_serve()
+        compiled = sum(r.compile_events for r in reports)
+        assert compiled >= 3 and len(frozen) >= 3, (compiled, len(frozen))
+        vectors, tokens = await run_workload(c)
+        info = await c.inference.Info(pb.InfoRequest())
+        assert info.late_compile_events == 0, info
+        eager_vectors, eager_tokens = eager_results
+        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
+        assert tokens == eager_tokens
+    finally:
+        await c.close()
+        await service.stop(0)

@@ -35,6 +35,7 @@ from inference_svc.engine.runtime import ModelRuntime, StepReport
 from inference_svc.engine.types import RuntimeInfo
 from inference_svc.engine.worker import COMPUTE
 from inference_svc.errors import InvalidArgument, Unavailable
+from inference_svc.models.compile import set_freezing
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -68,6 +69,8 @@ class Engine:
     def load(self) -> None:
         """Load the configured models (blocking: run it off the event loop)."""
         self.monitor.install()
+        # Before any model is built: compile_fn reads it when it wraps a model function.
+        set_freezing(self.config.freeze_weights)
         self.artifacts = artifacts.for_config(self.config, model_dirs(self.config))
         if self.artifacts is not None:
             # Before any model is built: torch.compile looks up Dynamo packages then.
