@@ -61,6 +61,21 @@ async def eager_results(tiny_embed_dir, tiny_lm_dir):
         await service.stop(0)
 
 
+async def serves_like_eager(service, c, eager_results) -> None:
+    """The workload and random arrivals after SERVING: 0 late compiles, only the shapes
+    Describe listed, and the eager service's vectors and tokens."""
+    vectors, tokens = await run_workload(c)
+    # Random arrivals: prompt lengths 1 to the limit, joins at any step, cancellations.
+    await mixed_arrivals(c, random.Random(11), 32, max_words=30, max_tokens=16)
+    info = await c.inference.Info(pb.InfoRequest())
+    assert info.late_compile_events == 0, info
+    ran, listed = await shapes_ran_and_listed(service, c)
+    assert ran <= listed, sorted(map(str, ran - listed))
+    eager_vectors, eager_tokens = eager_results
+    assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
+    assert tokens == eager_tokens
+
+
 async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, eager_results):
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
     service, c = await start_service(args)
@@ -85,16 +100,7 @@ async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, e
         )
         assert again.skipped and "already compiled" in again.skip_reason
 
-        vectors, tokens = await run_workload(c)
-        # Random arrivals: prompt lengths 1 to the limit, joins at any step, cancellations.
-        await mixed_arrivals(c, random.Random(11), 32, max_words=30, max_tokens=16)
-        info = await c.inference.Info(pb.InfoRequest())
-        assert info.late_compile_events == 0, info
-        ran, listed = await shapes_ran_and_listed(service, c)
-        assert ran <= listed, sorted(map(str, ran - listed))
-        eager_vectors, eager_tokens = eager_results
-        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
-        assert tokens == eager_tokens
+        await serves_like_eager(service, c, eager_results)
     finally:
         await c.close()
         await service.stop(0)
@@ -157,12 +163,7 @@ async def test_freeze_weights_on_freezes_the_graphs(
         reports = await c.warm_and_serve()
         compiled = sum(r.compile_events for r in reports)
         assert compiled >= 3 and len(frozen) >= 3, (compiled, len(frozen))
-        vectors, tokens = await run_workload(c)
-        info = await c.inference.Info(pb.InfoRequest())
-        assert info.late_compile_events == 0, info
-        eager_vectors, eager_tokens = eager_results
-        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
-        assert tokens == eager_tokens
+        await serves_like_eager(service, c, eager_results)
     finally:
         await c.close()
         await service.stop(0)
