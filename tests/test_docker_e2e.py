@@ -122,10 +122,9 @@ def test_compile_cache_and_models_are_volumes() -> None:
         assert path.startswith(mounts["compile-cache"].rstrip("/") + "/"), env
     assert server["read_only"] is True
     # Compiled kernels are dlopened from the service's working dir under /tmp: it must allow exec.
-    tmp_options = [
-        t.split(":", 1)[1].split(",") for t in server["tmpfs"] if t.split(":")[0] == "/tmp"
-    ]
-    assert tmp_options and "exec" in tmp_options[0] and "noexec" not in tmp_options[0]
+    tmpfs = dict(t.partition(":")[::2] for t in server["tmpfs"])
+    tmp_options = tmpfs.get("/tmp", "").split(",")
+    assert "exec" in tmp_options and "noexec" not in tmp_options, server["tmpfs"]
     assert mounts["models"] == "/models"
     assert {"compile-cache", "models"} <= set(doc["volumes"])
 
