@@ -83,14 +83,15 @@ def profile(
             m.dummy_decode(batch, context, gen)
             m.dummy_prefill(chunk.seq_len, chunk.context_len, gen)
 
-        if m.mode is not CompilationMode.NONE and not loaded:
+        compiles = m.mode is not CompilationMode.NONE
+        if compiles and not loaded:
             # Compile first, then measure a second run: the compiler's own memory is not
             # the forward's and would shrink the cache for nothing. (Graphs loaded from
             # artifacts do not compile: one run. Should one miss, the compiler's memory
             # counts as the forward's: a smaller cache, never a larger one.)
             forwards()
         peak = peak_during(m.device, forwards)
-        if m.mode is not CompilationMode.NONE:
+        if compiles:
             compiled.update(largest)
         report.buckets.extend(largest)
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
