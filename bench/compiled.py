@@ -13,6 +13,8 @@ compiled.png. bench/accuracy.py measures what each option costs in accuracy.
 
   .venv/bin/python bench/compiled.py [--modes none,default] [--seconds 15] [--no-peers]
       [--freeze-weights on]   (the compiled services frozen; results in compiled-frozen.*)
+      [--kinds embed]         (only the Embed arms and their peer; the Generate figures
+                               stay those of the last run, which the report says)
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -78,6 +81,11 @@ def generate_arm(mode: str, option: str, tokens: int, freeze: str = "off") -> di
         return {"warm_s": svc.warm_s, **asyncio.run(run())}
 
 
+def commit() -> str:
+    git = ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]
+    return subprocess.run(git, capture_output=True, text=True).stdout.strip() or "?"
+
+
 def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
@@ -97,7 +105,8 @@ def report(r: dict) -> None:
     modes = r["modes"]
     print("\nEmbed, texts/s (one short text per call)")
     table(r, "embed", EMBED_OPTIONS, "clients", (1, 32), "texts_s")
-    print("\nGenerate, tokens/s (greedy, 64 new tokens per stream)")
+    print("\nGenerate, tokens/s (greedy, 64 new tokens per stream)"
+          + (f" (from {r['generate_from']})" if r.get("generate_from") else ""))  # fmt: skip
     table(r, "generate", LM_OPTIONS, "streams", (1, 8), "tok_s")
     st, llama = r.get("sentence_transformers_b32"), r.get("llama_cpp_1")
     print(f"\nsentence-transformers in process, batch 32: {st or 0:.0f} texts/s")
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
+    p.add_argument("--kinds", default="embed,generate", help="which arms to run (embed, generate)")
     p.add_argument(
         "--freeze-weights", choices=("off", "on"), default="off",
         help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
@@ -159,21 +169,26 @@ def main(argv: list[str] | None = None) -> int:
     if a.replot:
         r = json.loads(path.read_text())
     else:
-        modes = a.modes.split(",")
+        modes, kinds = a.modes.split(","), a.kinds.split(",")
         r = {"modes": modes, "threads": cpu_threads(), "embed": {}, "generate": {}}
-        r["freeze_weights"] = a.freeze_weights
+        r["freeze_weights"], r["commit"] = a.freeze_weights, commit()
         RESULTS.mkdir(parents=True, exist_ok=True)
-        if not a.no_peers:
+        if "generate" not in kinds and path.exists():  # keep the last run's Generate figures
+            last = json.loads(path.read_text())
+            r["generate"], r["llama_cpp_1"] = last["generate"], last.get("llama_cpp_1")
+            r["generate_from"] = last.get("generate_from") or f"commit {last.get('commit')}"
+        if not a.no_peers and "embed" in kinds:
             r["sentence_transformers_b32"] = sentence_transformers_batch(32, a.seconds)
+        if not a.no_peers and "generate" in kinds:
             peer = llama_cpp_arm(a.tokens)
             r["llama_cpp_1"] = peer["curve"][0]["tok_s"] if peer else None
-        for option in EMBED_OPTIONS:
+        for option in EMBED_OPTIONS if "embed" in kinds else ():
             for mode in modes:
                 r["embed"][f"{mode} {option}"] = embed_arm(
                     mode, option, a.seconds, a.freeze_weights
                 )
                 path.write_text(json.dumps(r, indent=1))
-        for option in LM_OPTIONS:
+        for option in LM_OPTIONS if "generate" in kinds else ():
             for mode in modes:
                 r["generate"][f"{mode} {option}"] = generate_arm(
                     mode, option, a.tokens, a.freeze_weights

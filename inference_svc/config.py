@@ -59,6 +59,9 @@ class ServiceConfig:
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     lm_weights: str = "same"  # linear layers of the LM: same as --dtype, bfloat16 or int4
     embed_max_batch: int = 32  # most inputs per Embed batch
+    # Under concurrent Embed calls, how long a batch may wait for the callers of the last
+    # one to come back (at most that batch's own time; 0 = never wait). See engine/worker.py.
+    embed_batch_wait_ms: float = 20.0
     gen_max_batch: int = 16  # most sequences decoded together (KV-cache rows, memory allowing)
     prefill_chunk_tokens: int = 64  # most prompt tokens prefilled between two decode steps
     max_input_tokens: int = 512  # longest Generate prompt
@@ -160,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     f("--embed-max-batch", d.embed_max_batch, "most inputs per Embed batch", type=int)
     f(
+        "--embed-batch-wait-ms",
+        d.embed_batch_wait_ms,
+        "after a batch of several concurrent Embed calls, the next waits up to this long "
+        "(and no longer than that batch took) for their callers' next calls; a lone call "
+        "never waits; 0 = off",
+        type=float,
+    )
+    f(
         "--gen-max-batch",
         d.gen_max_batch,
         "most sequences decoded together (KV-cache rows; PROFILE caps it by memory)",
@@ -213,6 +224,8 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
     a = p.parse_args(argv)
     if a.gen_max_batch < 2 or a.embed_max_batch < 1:
         p.error("--gen-max-batch must be at least 2 and --embed-max-batch at least 1")
+    if a.embed_batch_wait_ms < 0:
+        p.error("--embed-batch-wait-ms must be 0 (off) or more")
     if a.max_input_tokens < 2 or a.max_new_tokens < 1:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
     if a.prefill_chunk_tokens < 16:
@@ -252,6 +265,7 @@ def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
         dtype=a.dtype,
         lm_weights=a.lm_weights,
         embed_max_batch=int(a.embed_max_batch),
+        embed_batch_wait_ms=float(a.embed_batch_wait_ms),
         gen_max_batch=int(a.gen_max_batch),
         prefill_chunk_tokens=int(a.prefill_chunk_tokens),
         max_input_tokens=int(a.max_input_tokens),

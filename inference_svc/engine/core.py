@@ -172,16 +172,18 @@ class Engine:
         self._require_loaded()
         self._refuse_unless_rewarm("MarkServing", rewarm)
         self.gate.check(self.required_steps())
-        # The request path once more, right before SERVING: the other model's warmup steps
-        # ran since. (Measured: it did not change the first Embed after a restart, 14 ms
-        # against 8; the 30-50 ms once seen was the --once sidecar's exit, not this.)
-        for runtime in self.runtimes.values():
-            await runtime.touch()
         # Loading and compiling leave millions of objects behind: collect them now and
         # move the survivors out of the collector's sight, so that a full collection does
-        # not land on one of the first requests (no first-request gain measured either).
+        # not land on one of the first requests.
         gc.collect()
         gc.freeze()
+        # Then the request path once more, right before SERVING (only Embed has one to
+        # touch): the generative model's steps and the collection ran since it last ran,
+        # and steady Embed calls find MiniLM's 90 MB of weights and their own objects in
+        # the CPU's caches (L3 480 MiB here); the first one after them did not (first Embed
+        # after a restart 1.2-1.4x the steady median, `bench/cold_start.py`).
+        for runtime in self.runtimes.values():
+            await runtime.touch()
         self.gate.mark_serving(self.required_steps())
         self.monitor.mark_serving()
         log.info("health: SERVING (boot %s)", self.boot_id)

@@ -21,6 +21,8 @@ from inference_svc.limits import EmbedLimits
 from inference_svc.models.compile import bucket_for
 from inference_svc.models.embedding import EmbeddingModel
 
+WARM_PARAMS = EmbedParams(("warm up the request path",), True, False, 0)
+
 
 @dataclass
 class EmbedJob:
@@ -30,9 +32,9 @@ class EmbedJob:
 
 
 class EmbedWorker(ModelWorker[EmbedJob]):
-    def __init__(self, model: EmbeddingModel, max_queue: int) -> None:
+    def __init__(self, model: EmbeddingModel, max_queue: int, batch_wait_s: float = 0.0) -> None:
         self.model = model
-        super().__init__(model.name, max_queue)
+        super().__init__(model.name, max_queue, batch_wait_s)
 
     def prepare(self, params: EmbedParams) -> EmbedJob:
         """Tokenize and check the limits; raises InvalidArgument."""
@@ -52,7 +54,7 @@ class EmbedWorker(ModelWorker[EmbedJob]):
     def warm_request(self) -> None:
         """One request through the whole path (tokenize, batch, forward, normalise),
         run on this thread by the warmup: nothing of it is left for a client to run first."""
-        job = self.prepare(EmbedParams(("warm up the request path",), True, False, 0))
+        job = self.prepare(WARM_PARAMS)
         self.run_batch([job])
         job.future.result()
 
@@ -101,9 +103,14 @@ class EmbeddingRuntime(RuntimeBase):
     kind = ModelKind.EMBEDDING
 
     def __init__(
-        self, model: EmbeddingModel, display_name: str, max_queue: int, monitor: CompileMonitor
+        self,
+        model: EmbeddingModel,
+        display_name: str,
+        max_queue: int,
+        monitor: CompileMonitor,
+        batch_wait_s: float = 0.0,
     ) -> None:
-        self.worker: EmbedWorker = EmbedWorker(model, max_queue)
+        self.worker: EmbedWorker = EmbedWorker(model, max_queue, batch_wait_s)
         super().__init__(model.name, display_name, self.worker, monitor)
         self.model = model
         self.limits = EmbedLimits(model.max_batch, model.max_input_tokens, model.dimensions)
@@ -116,7 +123,10 @@ class EmbeddingRuntime(RuntimeBase):
         return warmup.embed_buckets(self.model)
 
     async def touch(self) -> None:
-        await asyncio.wrap_future(self.worker.call(self.worker.warm_request))
+        """A request's whole path: tokenized on the text thread, run on the compute thread."""
+        job = await self.on_text_thread(self.worker.prepare, WARM_PARAMS)
+        await asyncio.wrap_future(self.worker.call(lambda: self.worker.run_batch([job])))
+        job.future.result()
 
     def profile(self) -> ModelProfile:
         m = self.model

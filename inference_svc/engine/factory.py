@@ -80,7 +80,10 @@ def _load_embedding(c: ServiceConfig, monitor: CompileMonitor) -> EmbeddingRunti
         EMBED_NAME, directory, c.embed_max_batch, c.compilation_mode, monitor, device, dtype
     )
     model.warm_text()
-    return EmbeddingRuntime(model, display_name(c.embed_model, directory), c.max_queue, monitor)
+    return EmbeddingRuntime(
+        model, display_name(c.embed_model, directory), c.max_queue, monitor,
+        batch_wait_s=c.embed_batch_wait_ms / 1000,
+    )  # fmt: skip
 
 
 def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRuntime:

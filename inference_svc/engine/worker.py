@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -105,7 +106,8 @@ class ComputeThread:
                     except Exception:  # a bug in a worker must not stop the others
                         log.exception("model %s: worker turn failed", worker.name)
                 if not busy:
-                    self._wake.wait()
+                    holds = [h for w in workers if (h := w.holding_for()) is not None]
+                    self._wake.wait(min(holds) if holds else None)
 
 
 COMPUTE = ComputeThread()
@@ -115,9 +117,11 @@ class ModelWorker(Generic[J]):
     """A queue of jobs (batched by ``run_batch``) and calls (run alone, in order), served in
     turns on the compute thread."""
 
-    def __init__(self, name: str, max_queue: int) -> None:
+    def __init__(self, name: str, max_queue: int, batch_wait_s: float = 0.0) -> None:
         self.name = name
         self.max_queue = max_queue
+        self.batch_wait_s = batch_wait_s  # see _hold_after; 0: a batch never waits
+        self._hold: tuple[int, float] | None = None  # (rows to wait for, until when)
         self._queue: queue.Queue[J | _Call | None] = queue.Queue()
         self._pending: list[J] = []
         self._stopped = threading.Event()
@@ -164,8 +168,54 @@ class ModelWorker(Generic[J]):
         raise NotImplementedError
 
     # -- one turn on the compute thread ---------------------------------------------
+    def holding_for(self) -> float | None:
+        """Seconds left of a hold while jobs wait held back (see ``_hold_after``), else None."""
+        if self._hold is None or not self._queued_rows():
+            return None
+        left = self._hold[1] - time.monotonic()
+        return left if left > 0 else None
+
+    def _holding(self) -> bool:
+        """Whether queued jobs are held back for more (a call or a stop is never held)."""
+        if self._hold is None:
+            return False
+        rows, until = self._hold
+        queued = self._queued_rows()
+        if queued < 0 or queued >= rows or time.monotonic() >= until:
+            self._hold = None
+            return False
+        return True
+
+    def _hold_after(self, jobs: list[J], seconds: float) -> None:
+        """Concurrent callers in a closed loop fall into cohorts: while one batch runs, the
+        calls that arrive queue up, and when it ends they start at once, before the callers
+        just answered are back; the load settles into two half-size batches taking turns
+        (measured: 16 rows a batch with 32 clients, --embed-max-batch 32). So after a batch
+        of several calls, the next one waits until as many rows are queued as that batch
+        ran plus those already waiting, or ``batch_wait_s``, or as long as that batch took,
+        whichever comes first. A lone call never waits: after a batch of one call, or when
+        the hold has run out (an idle service), the next call starts as it arrives."""
+        if self.batch_wait_s <= 0 or len(jobs) < 2:
+            return
+        ran = sum(self.batch_size_of(job) for job in jobs)
+        rows = min(ran + self._queued_rows(), self.capacity())
+        self._hold = (rows, time.monotonic() + min(self.batch_wait_s, seconds))
+
+    def _queued_rows(self) -> int:
+        """Rows of the jobs waiting; -1 when a call or a stop waits among them."""
+        with self._queue.mutex:
+            items = [*self._pending, *self._queue.queue]
+        rows = 0
+        for item in items:
+            if item is None or isinstance(item, _Call):
+                return -1
+            rows += self.batch_size_of(item)
+        return rows
+
     def poll(self) -> bool:
         """Run one batch or one call, if any is waiting; False when there was nothing."""
+        if self._holding():
+            return False
         if self._pending:
             item: J | _Call | None = self._pending.pop(0)
         else:
@@ -180,7 +230,9 @@ class ModelWorker(Generic[J]):
             item.run()
             return True
         jobs, call, stopping = self._take_batch(item)
+        start = time.perf_counter()
         self._run_jobs(jobs)
+        self._hold_after(jobs, time.perf_counter() - start)
         if call is not None:
             call.run()
         if stopping:
