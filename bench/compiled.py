@@ -15,6 +15,9 @@ compiled.png. bench/accuracy.py measures what each option costs in accuracy.
       [--freeze-weights on]   (the compiled services frozen; results in compiled-frozen.*)
       [--kinds embed]         (only the Embed arms and their peer; the Generate figures
                                stay those of the last run, which the report says)
+      [--options bf16-linear] (only these numerics options)
+      [--name compiled-autotune] (results in bench/results/NAME.*; c/e is the last mode
+                               against the first, e.g. --modes none,default,max-autotune)
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -146,7 +149,7 @@ def plot(r: dict, path: Path) -> None:
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"eager (none) vs compiled (default), {r['threads']} CPU threads")
+    fig.suptitle(f"compilation modes {', '.join(r['modes'])}, {r['threads']} CPU threads")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -159,12 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
     p.add_argument("--kinds", default="embed,generate", help="which arms to run (embed, generate)")
+    p.add_argument("--options", default="", help="only these numerics options (e.g. bf16-linear)")
+    p.add_argument("--name", default="", help="results file stem (default: compiled[-frozen])")
     p.add_argument(
         "--freeze-weights", choices=("off", "on"), default="off",
         help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
     )  # fmt: skip
     a = p.parse_args(argv)
-    stem = "compiled" if a.freeze_weights == "off" else "compiled-frozen"
+    stem = a.name or ("compiled" if a.freeze_weights == "off" else "compiled-frozen")
     path = RESULTS / f"{stem}.json"
     if a.replot:
         r = json.loads(path.read_text())
@@ -182,13 +187,14 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_peers and "generate" in kinds:
             peer = llama_cpp_arm(a.tokens)
             r["llama_cpp_1"] = peer["curve"][0]["tok_s"] if peer else None
-        for option in EMBED_OPTIONS if "embed" in kinds else ():
+        wanted = set(a.options.split(",")) if a.options else set(EMBED_OPTIONS) | set(LM_OPTIONS)
+        for option in [o for o in EMBED_OPTIONS if o in wanted] if "embed" in kinds else ():
             for mode in modes:
                 r["embed"][f"{mode} {option}"] = embed_arm(
                     mode, option, a.seconds, a.freeze_weights
                 )
                 path.write_text(json.dumps(r, indent=1))
-        for option in LM_OPTIONS if "generate" in kinds else ():
+        for option in [o for o in LM_OPTIONS if o in wanted] if "generate" in kinds else ():
             for mode in modes:
                 r["generate"][f"{mode} {option}"] = generate_arm(
                     mode, option, a.tokens, a.freeze_weights
