@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.embed_load import clients, sentence_transformers_batch  # noqa: E402
 from bench.service import running_service, save_plot  # noqa: E402
 from bench.throughput import concurrency, cpu_threads, llama_cpp_arm, stream  # noqa: E402
+from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -61,7 +62,17 @@ def embed_arm(mode: str, option: str, seconds: float, freeze: str = "off") -> di
             out[f"clients_{n}"] = asyncio.run(clients(svc.target, n, seconds))
             print(f"[embed {mode} {option}] {n:>2} clients: "
                   f"{out[f'clients_{n}']['texts_s']:.0f} texts/s", flush=True)  # fmt: skip
+        out["late_compiles"] = late_compiles(svc.target)
         return out
+
+
+def late_compiles(target: str) -> int:
+    """Info.late_compile_events after the load: compiles after SERVING (0 expected)."""
+    with grpc.insecure_channel(target) as channel:
+        info = inference_pb2_grpc.InferenceStub(channel).Info(pb.InfoRequest(), timeout=30)
+    if info.late_compile_events:
+        print(f"   {info.late_compile_events} late compile events", flush=True)
+    return info.late_compile_events
 
 
 def generate_arm(mode: str, option: str, tokens: int, freeze: str = "off") -> dict:
@@ -81,7 +92,11 @@ def generate_arm(mode: str, option: str, tokens: int, freeze: str = "off") -> di
                           f"{rows[f'streams_{n}']['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
                 return rows
 
-        return {"warm_s": svc.warm_s, **asyncio.run(run())}
+        return {
+            "warm_s": svc.warm_s,
+            **asyncio.run(run()),
+            "late_compiles": late_compiles(svc.target),
+        }
 
 
 def commit() -> str:
@@ -96,11 +111,13 @@ def ratio(a: float | None, b: float | None) -> str:
 def table(r: dict, kind: str, options: dict, key: str, counts: tuple[int, ...], unit: str) -> None:
     """One row per option and load: the figure in each mode, then compiled / eager."""
     modes = r["modes"]
-    print(f"{'option':<14}{key:>8}" + "".join(f"{m:>10}" for m in modes) + f"{'c/e':>7}")
+    print(f"{'option':<14}{key:>8}" + "".join(f"{m:>13}" for m in modes) + f"{'c/e':>7}")
     for option in options:
         for n in counts:
             v = [r[kind].get(f"{m} {option}", {}).get(f"{key}_{n}", {}).get(unit) for m in modes]
-            print(f"{option:<14}{n:>8}" + "".join(f"{x or 0:>10.1f}" for x in v)
+            if not any(v):  # not measured in this run (--options)
+                continue
+            print(f"{option:<14}{n:>8}" + "".join(f"{x or 0:>13.1f}" for x in v)
                   + f"{ratio(v[-1], v[0]):>7}")  # fmt: skip
 
 
