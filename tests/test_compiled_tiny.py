@@ -61,16 +61,21 @@ async def eager_results(tiny_embed_dir, tiny_lm_dir):
         await service.stop(0)
 
 
-async def serves_like_eager(service, c, eager_results) -> None:
-    """The workload and random arrivals after SERVING: 0 late compiles, only the shapes
-    Describe listed, and the eager service's vectors and tokens."""
-    vectors, tokens = await run_workload(c)
-    # Random arrivals: prompt lengths 1 to the limit, joins at any step, cancellations.
-    await mixed_arrivals(c, random.Random(11), 32, max_words=30, max_tokens=16)
+async def random_arrivals_compile_nothing(service, c, seed: int, count: int) -> None:
+    """Random arrivals (prompt lengths 1 to the limit, joins at any step, cancellations)
+    after SERVING: 0 late compiles, and only the shapes Describe listed ran."""
+    await mixed_arrivals(c, random.Random(seed), count, max_words=30, max_tokens=16)
     info = await c.inference.Info(pb.InfoRequest())
     assert info.late_compile_events == 0, info
     ran, listed = await shapes_ran_and_listed(service, c)
     assert ran <= listed, sorted(map(str, ran - listed))
+
+
+async def serves_like_eager(service, c, eager_results) -> None:
+    """The workload and random arrivals after SERVING: 0 late compiles, only the shapes
+    Describe listed, and the eager service's vectors and tokens."""
+    vectors, tokens = await run_workload(c)
+    await random_arrivals_compile_nothing(service, c, seed=11, count=32)
     eager_vectors, eager_tokens = eager_results
     assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_vectors), atol=1e-4)
     assert tokens == eager_tokens
@@ -167,3 +172,28 @@ async def test_freeze_weights_on_freezes_the_graphs(
     finally:
         await c.close()
         await service.stop(0)
+
+
+async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
+    tiny_embed_dir, tiny_lm_dir, eager_results
+):
+    """The fastest Generate configuration measured (bench/compiled.py): max-autotune picks
+    among inductor's own GEMM templates and oneDNN for every linear layer. The warmup still
+    covers every path (0 late compiles, only Describe's shapes); Embed stays float32, so
+    its vectors are eager's; bfloat16 linears change the tokens, so those are not compared."""
+    torch._dynamo.reset()  # see test_freeze_weights_on_freezes_the_graphs
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "max-autotune",
+                     "--freeze-weights", "on", "--lm-weights", "bfloat16")  # fmt: skip
+    service, c = await start_service(args)
+    try:
+        await service.loaded()
+        reports = await c.warm_and_serve()
+        assert sum(r.compile_events for r in reports) >= 3
+        vectors, tokens = await run_workload(c)
+        await random_arrivals_compile_nothing(service, c, seed=12, count=16)
+        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_results[0]), atol=1e-3)
+        assert all(tokens)
+    finally:
+        await c.close()
+        await service.stop(0)
+        torch._dynamo.reset()
