@@ -222,6 +222,24 @@ async def test_a_lost_mark_serving_reply_is_not_a_failure(
     assert "SERVING already (a reply was lost)" in caplog.text
 
 
+async def test_a_service_killed_during_mark_serving_does_not_stop_the_sidecar(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """MarkServing fails and the service is gone when the sidecar asks Describe why: the
+    sidecar reports a failed warmup (and, without --once, waits for the restart); it used
+    to die of the Describe error."""
+
+    class Killed(FakeAdmin):
+        async def MarkServing(self, request, context):  # type: ignore[no-untyped-def]
+            self.calls.append(("MarkServing",))
+            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(server.stop(None)))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: killed")
+
+    server, port = await start(Killed())
+    assert await driver.run(config(port)) == 1
+    assert "MarkServing failed" in caplog.text and "Describe then: UNAVAILABLE" in caplog.text
+
+
 async def test_already_serving_needs_nothing(fake: Fake, caplog: pytest.LogCaptureFixture) -> None:
     f, port = fake
     f.serve_now()

@@ -90,8 +90,11 @@ async def _mark_serving(client: AdminClient, boot_id: str) -> admin_pb2.MarkServ
     Describe and take that as done."""
     try:
         return await client.mark_serving()
-    except WarmupFailed:
-        desc = await client.describe()
+    except WarmupFailed as failed:
+        try:
+            desc = await client.describe()
+        except grpc.aio.AioRpcError as e:  # the service went away (killed, restarting)
+            raise WarmupFailed(f"{failed}; Describe then: {rpc_error(e)}") from e
         if desc.boot_id != boot_id or not desc.serving:
             raise
         log.info("MarkServing: boot %s is SERVING already (a reply was lost)", boot_id)
