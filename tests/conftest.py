@@ -1,4 +1,8 @@
-"""Shared fixtures: tiny model directories and real services on port 0."""
+"""Shared fixtures: tiny model directories and real services on port 0.
+
+Every test module carries one tier marker (unit, rpc, proc, deploy: tests/README.md);
+tests/test_tiers.py fails for a module without one. An in-process service for a test:
+``async with serving(tiny_args(...), warm=True) as (service, clients):`` (tests/rpc.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest_asyncio
 from inference_svc.app import Service
 from inference_svc.config import parse_config
 from tests.models import build_tiny_embedder, build_tiny_lm
-from tests.rpc import Clients
+from tests.rpc import Clients, serving
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Hermetic compiles: no test (in process or a child process) loads or keeps compiled
@@ -51,6 +55,7 @@ def tiny_args(tiny_embed_dir: Path, tiny_lm_dir: Path, *extra: str) -> list[str]
 
 
 async def start_service(args: list[str]) -> tuple[Service, Clients]:
+    """A started service and its clients; the caller stops both. Prefer ``serving(args)``."""
     service = Service(parse_config(args))
     await service.start()
     return service, Clients.connect(service.port, service.admin_port)
@@ -59,9 +64,5 @@ async def start_service(args: list[str]) -> tuple[Service, Clients]:
 @pytest_asyncio.fixture(scope="session")
 async def real() -> AsyncIterator[Clients]:
     """The packaged real models, eager (mode NONE), warmed and SERVING."""
-    service, clients = await start_service(["--port", "0", "--admin-port", "0", "--seed", "7"])
-    await service.loaded()
-    await clients.warm_and_serve()
-    yield clients
-    await clients.close()
-    await service.stop(0)
+    async with serving(["--port", "0", "--admin-port", "0", "--seed", "7"], warm=True) as (_, c):
+        yield c

@@ -1,7 +1,10 @@
-"""Clients of a running service, and the warmup a sidecar would run (for in-process tests)."""
+"""Clients of a running service, the warmup a sidecar would run, and `serving(args)`: an
+in-process service on port 0 for the rpc tier of tests (see tests/README.md)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -9,6 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
+from inference_svc.app import Service
+from inference_svc.config import parse_config
 
 WARMUP_KINDS = (
     apb.WARMUP_STEP_KIND_PROFILE,
@@ -59,3 +64,26 @@ class Clients:
     async def close(self) -> None:
         await self.channel.close()
         await self.admin_channel.close()
+
+
+@asynccontextmanager
+async def serving(
+    args: Sequence[str], *, loaded: bool = False, warm: bool = False
+) -> AsyncIterator[tuple[Service, Clients]]:
+    """``async with serving(args, warm=True) as (service, clients):`` runs
+    ``Service(parse_config(args))`` in this process (pass ``--port 0 --admin-port 0``:
+    tests/conftest.py's ``tiny_args`` does). ``loaded`` waits until the models are loaded;
+    ``warm`` also runs the warmup a sidecar would and marks the service SERVING. On the way
+    out, whatever happened, the channels are closed and the service stopped."""
+    service = Service(parse_config(list(args)))
+    await service.start()
+    clients = Clients.connect(service.port, service.admin_port)
+    try:
+        if loaded or warm:
+            await service.loaded()
+        if warm:
+            await clients.warm_and_serve()
+        yield service, clients
+    finally:
+        await clients.close()
+        await service.stop(0)

@@ -14,7 +14,8 @@ from inference_api.convert import bucket_from_pb
 from inference_api.plan import Bucket
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 ROWS = 8
 
@@ -43,12 +44,8 @@ async def until_tokens(stream, n: int) -> list[int]:
 async def svc(tiny_embed_dir, tiny_lm_dir):
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--max-new-tokens", "48",
                      "--gen-max-batch", str(ROWS), "--prefill-chunk-tokens", "16")  # fmt: skip
-    service, c = await start_service(args)
-    await service.loaded()
-    await c.warm_and_serve()
-    yield service, c
-    await c.close()
-    await service.stop(0)
+    async with serving(args, warm=True) as served:
+        yield served
 
 
 def background(i: int) -> pb.GenerateRequest:

@@ -12,7 +12,8 @@ import torch
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
 TEXTS = ["a b c", "hello there, how are you today?", "x" * 40]
@@ -51,14 +52,8 @@ async def run_workload(c) -> tuple[list[list[float]], list[list[int]]]:
 
 @pytest.fixture(scope="module")
 async def eager_results(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
-        await service.loaded()
-        await c.warm_and_serve()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), warm=True) as (_service, c):
         return await run_workload(c)
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def random_arrivals_compile_nothing(service, c, seed: int, count: int) -> None:
@@ -83,9 +78,7 @@ async def serves_like_eager(service, c, eager_results) -> None:
 
 async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, eager_results):
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
-    service, c = await start_service(args)
-    try:
-        await service.loaded()
+    async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())
         kinds = [(s.step, s.model) for s in described.required_steps]
         assert (apb.WARMUP_STEP_KIND_COMPILE, "embedding") in kinds  # no KV cache: compiled anyway
@@ -106,39 +99,24 @@ async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, e
         assert again.skipped and "already compiled" in again.skip_reason
 
         await serves_like_eager(service, c, eager_results)
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_seeded_tokens_survive_a_restart(tiny_embed_dir, tiny_lm_dir, eager_results):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
-        await service.loaded()
-        await c.warm_and_serve()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), warm=True) as (_service, c):
         req = requests_over_buckets()[2]
         reply = await c.inference.Generate(req)
         assert list(reply.token_ids) == eager_results[1][1]
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_a_model_kind_not_loaded_is_invalid_argument(tiny_embed_dir, tiny_lm_dir):
     args = [*tiny_args(tiny_embed_dir, tiny_lm_dir), "--lm-model", "none"]
-    service, c = await start_service(args)
-    try:
-        await service.loaded()
-        await c.warm_and_serve()
+    async with serving(args, warm=True) as (_service, c):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await c.inference.Generate(pb.GenerateRequest(prompt="hi"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "no generative model is loaded" in info.value.details()
         reply = await c.inference.Embed(pb.EmbedRequest(inputs=["still embeds"]))
         assert len(reply.embeddings) == 1
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_freeze_weights_on_freezes_the_graphs(
@@ -162,16 +140,11 @@ async def test_freeze_weights_on_freezes_the_graphs(
     args = tiny_args(
         tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", "--freeze-weights", "on"
     )
-    service, c = await start_service(args)
-    try:
-        await service.loaded()
+    async with serving(args, loaded=True) as (service, c):
         reports = await c.warm_and_serve()
         compiled = sum(r.compile_events for r in reports)
         assert compiled >= 3 and len(frozen) >= 3, (compiled, len(frozen))
         await serves_like_eager(service, c, eager_results)
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
@@ -184,16 +157,13 @@ async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
     torch._dynamo.reset()  # see test_freeze_weights_on_freezes_the_graphs
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "max-autotune",
                      "--freeze-weights", "on", "--lm-weights", "bfloat16")  # fmt: skip
-    service, c = await start_service(args)
     try:
-        await service.loaded()
-        reports = await c.warm_and_serve()
-        assert sum(r.compile_events for r in reports) >= 3
-        vectors, tokens = await run_workload(c)
-        await random_arrivals_compile_nothing(service, c, seed=12, count=16)
-        assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_results[0]), atol=1e-3)
-        assert all(tokens)
+        async with serving(args, loaded=True) as (service, c):
+            reports = await c.warm_and_serve()
+            assert sum(r.compile_events for r in reports) >= 3
+            vectors, tokens = await run_workload(c)
+            await random_arrivals_compile_nothing(service, c, seed=12, count=16)
+            assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_results[0]), atol=1e-3)
+            assert all(tokens)
     finally:
-        await c.close()
-        await service.stop(0)
         torch._dynamo.reset()

@@ -9,7 +9,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -22,8 +23,7 @@ async def _code_of(call) -> grpc.aio.AioRpcError:
 
 
 async def test_health_gate_from_start_to_serving(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir)) as (service, c):
         assert await c.status("liveness") == SERVING
         assert await c.status("") == NOT_SERVING
         assert await c.status("inference.v1.Inference") == NOT_SERVING
@@ -71,14 +71,10 @@ async def test_health_gate_from_start_to_serving(tiny_embed_dir, tiny_lm_dir):
         await service.stop(1)
         err = await _code_of(c.health.Check(health_pb2.HealthCheckRequest(service="")))
         assert err.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_admin_port_is_loopback_and_reflection_lists_services(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir)) as (service, c):
         assert service.config.admin_host == "127.0.0.1"
         stub = reflection_pb2_grpc.ServerReflectionStub(c.channel)
         replies = stub.ServerReflectionInfo(
@@ -89,6 +85,3 @@ async def test_admin_port_is_loopback_and_reflection_lists_services(tiny_embed_d
             names |= {s.name for s in reply.list_services_response.service}
         assert {"inference.v1.Inference", "grpc.health.v1.Health"} <= names
         assert "inference.v1.WarmupAdmin" not in names  # admin lives on its own port only
-    finally:
-        await c.close()
-        await service.stop(0)

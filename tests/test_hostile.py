@@ -15,18 +15,14 @@ import pytest_asyncio
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.app import Service
 from inference_svc.limits import MAX_TEXT_CHARS
-from tests.conftest import start_service, tiny_args
-from tests.rpc import Clients
+from tests.conftest import tiny_args
+from tests.rpc import Clients, serving
 
 
 @pytest_asyncio.fixture(scope="module")
 async def served(tiny_embed_dir, tiny_lm_dir) -> AsyncIterator[tuple[Service, Clients]]:
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    await service.loaded()
-    await c.warm_and_serve()
-    yield service, c
-    await c.close()
-    await service.stop(0)
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), warm=True) as served:
+        yield served
 
 
 async def rpc_error(call) -> grpc.aio.AioRpcError:

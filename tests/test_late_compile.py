@@ -11,7 +11,8 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 
 @pytest.mark.parametrize("policy", ["warn", "fail"])
@@ -20,10 +21,7 @@ async def test_late_compile_is_counted_and_handled(tiny_embed_dir, tiny_lm_dir, 
         tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", "--lm-model", "none",
         "--on-late-compile", policy,
     )  # fmt: skip
-    service, c = await start_service(args)
-    try:
-        await service.loaded()
-        await c.warm_and_serve()
+    async with serving(args, warm=True) as (_service, c):
         await c.inference.Embed(pb.EmbedRequest(inputs=["warm", "path"]))
         assert (await c.inference.Info(pb.InfoRequest())).late_compile_events == 0
         # Drop every compiled graph: the next request has to compile again, late.
@@ -42,6 +40,3 @@ async def test_late_compile_is_counted_and_handled(tiny_embed_dir, tiny_lm_dir, 
         else:
             assert status == health_pb2.HealthCheckResponse.SERVING
             assert info.serving
-    finally:
-        await c.close()
-        await service.stop(0)

@@ -12,7 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc import __version__
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 
 async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -40,8 +41,7 @@ async def test_metrics_follow_warmup_and_traffic(tiny_embed_dir, tiny_lm_dir):
     args = tiny_args(
         tiny_embed_dir, tiny_lm_dir, "--metrics-port", "0", "--metrics-host", "127.0.0.1"
     )
-    service, c = await start_service(args)
-    try:
+    async with serving(args) as (service, c):
         assert service.metrics_port
         await service.loaded()
         before = await scrape(service.metrics_port)
@@ -90,15 +90,8 @@ async def test_metrics_follow_warmup_and_traffic(tiny_embed_dir, tiny_lm_dir):
         assert value(after, "inference_compile_events_total", when="after_serving") == 0
         assert value(after, "inference_late_compile_events_total", model="embedding") == 0
         assert ("inference_late_compile_events_total", (("model", "generative"),)) in after
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_metrics_are_off_by_default(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir)) as (service, _c):
         assert service.metrics_port is None
-    finally:
-        await c.close()
-        await service.stop(0)

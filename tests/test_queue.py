@@ -7,15 +7,13 @@ import asyncio
 import grpc
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 
 async def test_full_queue_is_resource_exhausted(tiny_embed_dir, tiny_lm_dir):
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--max-queue", "1", "--gen-max-batch", "2")
-    service, c = await start_service(args)
-    try:
-        await service.loaded()
-        await c.warm_and_serve()
+    async with serving(args, warm=True) as (_service, c):
         req = pb.GenerateRequest(prompt="one two three", sampling=pb.SamplingParams(max_tokens=16))
         results = await asyncio.gather(
             *(c.inference.Generate(req) for _ in range(8)), return_exceptions=True
@@ -26,6 +24,3 @@ async def test_full_queue_is_resource_exhausted(tiny_embed_dir, tiny_lm_dir):
         assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errors)
         assert "already queued; retry later" in errors[0].details()
         assert all(r.usage.completion_tokens > 0 for r in done)
-    finally:
-        await c.close()
-        await service.stop(0)

@@ -18,7 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 from inference_cli import cli
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 from warmup_ctl import driver
 from warmup_ctl.config import Config
 
@@ -57,9 +58,7 @@ async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, t
         "--tls-key-file",
         str(pki / "server-key.pem"),
     ]
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir, *tls))
-    try:
-        await service.loaded()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir, *tls), loaded=True) as (service, c):
         await c.warm_and_serve()  # the admin port: plaintext on loopback
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await health(c.channel)  # a plaintext client on the TLS port
@@ -73,13 +72,9 @@ async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, t
         argv = ["health", "--addr", f"localhost:{service.port}", "--tls-ca", str(pki / "ca.pem")]
         assert await asyncio.to_thread(cli.main, argv) == 0
         assert await asyncio.to_thread(cli.main, argv[:3]) == 2  # plaintext: cannot connect
-    finally:
-        await c.close()
-        await service.stop(0)
 
     mutual = [*tls, "--tls-client-ca-file", str(pki / "ca.pem")]
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir, *mutual))
-    try:
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir, *mutual)) as (service, c):
         async with tls_channel(service.port, pki) as channel:  # no client certificate
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await health(channel)
@@ -97,6 +92,3 @@ async def test_tls_and_mutual_tls_on_the_public_port(tmp_path, tiny_embed_dir, t
         assert "public health SERVING" in caplog.text
         async with tls_channel(service.port, pki, client_cert=True) as channel:
             assert await health(channel) == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await c.close()
-        await service.stop(0)

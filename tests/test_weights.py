@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.weights import BFloat16Linear, Int4Linear, convert_linears, numerics
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
 
@@ -65,10 +66,8 @@ async def test_each_option_is_declared_and_compiled_before_serving(
     tiny_embed_dir, tiny_lm_dir, option
 ) -> None:
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *option)
-    service, c = await start_service(args)
     want = "float32+int4-linear" if option[1] == "int4" else "bfloat16"
-    try:
-        await service.loaded()
+    async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())
         lm = next(m for m in described.models if m.name == "generative")
         assert lm.numerics == want
@@ -91,6 +90,3 @@ async def test_each_option_is_declared_and_compiled_before_serving(
         assert next(m for m in info.models if m.kind == pb.MODEL_KIND_GENERATIVE).dtype == want
         ran, listed = await shapes_ran_and_listed(service, c)
         assert ran <= listed, sorted(map(str, ran - listed))
-    finally:
-        await c.close()
-        await service.stop(0)
