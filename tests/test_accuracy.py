@@ -15,6 +15,8 @@ from bench.accuracy import (
 )
 from inference_api.plan import CompilationMode
 
+pytestmark = pytest.mark.rpc
+
 NONE = CompilationMode.NONE
 
 

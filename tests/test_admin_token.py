@@ -10,14 +10,14 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.procs import ServiceProc, sidecar
 from inference_api.names import ADMIN_TOKEN_METADATA
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
-from tests.procs import ServiceProc, sidecar
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.proc, pytest.mark.e2e]
 TOKEN = "s3cret-token-for-the-test"
 
 

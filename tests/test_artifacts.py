@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from harness.procs import BIN, Proc, ServiceProc, sidecar
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
@@ -32,9 +33,8 @@ from inference_svc.engine.artifacts import (
     _refused_marker,
     verify,
 )
-from tests.procs import BIN, Proc, ServiceProc, sidecar
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.proc, pytest.mark.timeout(600)]
 TEXTS = ["kept artifacts", "a restart in seconds"]
 
 

@@ -17,6 +17,8 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
 from tests.rpc import serving
 
+pytestmark = pytest.mark.rpc
+
 ROWS = 8
 
 

@@ -25,6 +25,8 @@ from inference_api.names import HEALTH_INFERENCE, HEALTH_LIVENESS, HEALTH_OVERAL
 from inference_api.stubs.inference.v1 import inference_pb2, inference_pb2_grpc
 from inference_cli import cli
 
+pytestmark = pytest.mark.rpc
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

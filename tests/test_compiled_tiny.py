@@ -16,6 +16,8 @@ from tests.conftest import tiny_args
 from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
+pytestmark = pytest.mark.rpc
+
 TEXTS = ["a b c", "hello there, how are you today?", "x" * 40]
 
 

@@ -19,6 +19,8 @@ from inference_api.plan import (
 )
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("table,pb_enum,plan_enum", convert.TABLES)
 def test_every_enum_value_maps_both_ways(table, pb_enum, plan_enum) -> None:

@@ -26,6 +26,8 @@ import yaml
 from inference_api import names
 from tests.cmdline import flag
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parents[1]
 E2E_TIMEOUT_S = int(os.environ.get("E2E_PYTEST_TIMEOUT", "5400"))
 

@@ -17,37 +17,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.procs import ServiceProc, free_port, health_status, sidecar, wait_serving
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.procs import ServiceProc, free_port, sidecar
 from warmup_ctl.admin import LOADING_POLL_S
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.proc, pytest.mark.e2e]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 RANDOM = pb.SamplingParams(temperature=0.8, top_k=50, max_tokens=8)
 SEEDED = pb.SamplingParams(temperature=0.8, top_p=0.9, seed=77, max_tokens=8)
-
-
-def health_status(port: int, name: str = "inference.v1.Inference") -> int | None:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-        try:
-            req = health_pb2.HealthCheckRequest(service=name)
-            return health_pb2_grpc.HealthStub(ch).Check(req, timeout=5).status
-        except grpc.RpcError:
-            return None
-
-
-def wait_serving(svc: ServiceProc, timeout: float) -> float:
-    """Seconds from the service's start until health says SERVING."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if health_status(svc.port) == SERVING:
-            return time.monotonic() - svc.started
-        if svc.popen.poll() is not None:
-            raise AssertionError(f"service exited:\n{svc.tail()}")
-        time.sleep(0.2)
-    raise AssertionError(f"not SERVING after {timeout} s:\n{svc.tail()}")
 
 
 def stub(svc: ServiceProc) -> inference_pb2_grpc.InferenceStub:

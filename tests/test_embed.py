@@ -9,6 +9,8 @@ import torch
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.loading import resolve_embed_dir
 
+pytestmark = pytest.mark.rpc
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "A gRPC service that never answers on a cold path.",

@@ -17,14 +17,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from harness.procs import ServiceProc, free_port, sidecar, wait_serving
 from inference_api import convert
 from inference_api.plan import StepKind
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc
 from tests.conftest import tiny_args
-from tests.procs import ServiceProc, free_port, sidecar
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.proc, pytest.mark.e2e]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 KILLS = 20
 
@@ -76,13 +76,6 @@ class Watcher(threading.Thread):
                 self.violations.append(f"boot {after.boot_id}: SERVING with {undone} not run")
 
 
-def wait_serving(w: Watcher, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while w.state() != "serving":
-        assert time.monotonic() < deadline, "the service did not end SERVING"
-        time.sleep(0.1)
-
-
 def test_kills_at_random_moments_never_serve_a_cold_process(
     tmp_path: Path, tiny_embed_dir, tiny_lm_dir
 ) -> None:
@@ -112,7 +105,7 @@ def test_kills_at_random_moments_never_serve_a_cold_process(
                 time.sleep(rng.uniform(0.0, 1.5))
                 ctl.stop(signal.SIGKILL)
                 ctl = sidecar(tmp_path, svc, *fast, name="ctl-restarted")
-        wait_serving(watcher, timeout=120)
+        wait_serving(svc, timeout=120)
         last = watcher.admin.Describe(apb.DescribeRequest(), timeout=5)
         assert last.boot_id == svc.boot_id
         time.sleep(0.5)

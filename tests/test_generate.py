@@ -12,6 +12,8 @@ import torch
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
 
+pytestmark = pytest.mark.rpc
+
 CHAT = [pb.ChatMessage(role="user", content="Write one sentence about the sea.")]
 PROMPT = "The three primary colours are"
 

@@ -12,6 +12,8 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
 from tests.rpc import serving
 
+pytestmark = pytest.mark.rpc
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 

@@ -18,6 +18,8 @@ from inference_svc.limits import MAX_TEXT_CHARS
 from tests.conftest import tiny_args
 from tests.rpc import Clients, serving
 
+pytestmark = pytest.mark.rpc
+
 
 @pytest_asyncio.fixture(scope="module")
 async def served(tiny_embed_dir, tiny_lm_dir) -> AsyncIterator[tuple[Service, Clients]]:

@@ -14,6 +14,8 @@ import yaml
 from inference_api import names
 from tests.cmdline import flag
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 # Native sidecars (init containers with restartPolicy: Always) are on by default

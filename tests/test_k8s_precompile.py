@@ -17,6 +17,8 @@ from tests.cmdline import flag
 from tests.test_k8s_manifests import K8S_VERSIONS, one
 from tests.test_tls_deploy import containers, merge
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAY = ROOT / "deploy" / "k8s-precompile"
 

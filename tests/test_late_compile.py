@@ -14,6 +14,8 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
 from tests.rpc import serving
 
+pytestmark = pytest.mark.rpc
+
 
 @pytest.mark.parametrize("policy", ["warn", "fail"])
 async def test_late_compile_is_counted_and_handled(tiny_embed_dir, tiny_lm_dir, policy, caplog):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB = frozenset(sys.stdlib_module_names) | {"__future__"}
 # Top-level modules each package may import besides the standard library and itself.

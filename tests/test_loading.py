@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from inference_svc.models.loading import load_causal_lm_parts
+
+pytestmark = pytest.mark.unit
 
 
 def test_converting_a_causal_lm_leaves_transformers_output_registry_as_it_was(

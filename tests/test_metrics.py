@@ -15,6 +15,8 @@ from inference_svc import __version__
 from tests.conftest import tiny_args
 from tests.rpc import serving
 
+pytestmark = pytest.mark.rpc
+
 
 async def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample on /metrics: (name, sorted labels) -> value."""

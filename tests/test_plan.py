@@ -25,6 +25,8 @@ from inference_api.plan import (
     sampler_paths,
 )
 
+pytestmark = pytest.mark.unit
+
 PER_MODEL = (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER)
 BUCKETS = (Bucket(Phase.PREFILL, 2, 16), Bucket(Phase.PREFILL, 2, 32), Bucket(Phase.DECODE, 2, 1))
 ALL_PATHS = (SamplerPath.GREEDY, SamplerPath.RANDOM, SamplerPath.SEEDED, SamplerPath.LOGPROBS)

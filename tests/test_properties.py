@@ -18,11 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from harness.procs import ServiceProc
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
-from tests.procs import ServiceProc
+
+pytestmark = pytest.mark.proc
 
 # Answers a random request may get: never INTERNAL, UNKNOWN or UNAVAILABLE.
 ALLOWED = {

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from tests.conftest import tiny_args
 from tests.rpc import serving
+
+pytestmark = pytest.mark.rpc
 
 
 async def test_full_queue_is_resource_exhausted(tiny_embed_dir, tiny_lm_dir):

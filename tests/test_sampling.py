@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from inference_api.plan import CompilationMode, LogprobsMode
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.sampling import Sampler, SamplingMetadata, processed_logits
+
+pytestmark = pytest.mark.unit
 
 VOCAB = 64
 

@@ -23,7 +23,10 @@ from tests.rpc import serving
 from warmup_ctl import driver
 from warmup_ctl.config import Config
 
-pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command")
+pytestmark = [
+    pytest.mark.rpc,
+    pytest.mark.skipif(not shutil.which("openssl"), reason="needs the openssl command"),
+]
 
 
 ROOT = Path(__file__).resolve().parents[1]

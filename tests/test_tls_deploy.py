@@ -19,6 +19,8 @@ from tests.cmdline import flag
 from tests.test_k8s_manifests import K8S_VERSIONS, one
 from warmup_ctl import config as sidecar_config
 
+pytestmark = pytest.mark.deploy
+
 ROOT = Path(__file__).resolve().parents[1]
 OVERLAY = ROOT / "deploy" / "k8s-tls"
 SERVICE_ENV = {"INFERENCE_SVC_TLS_CERT_FILE", "INFERENCE_SVC_TLS_KEY_FILE"}

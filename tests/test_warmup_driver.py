@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 
 import inference_api
 import warmup_ctl
+from harness.procs import free_port
 from inference_api import plan
 from inference_api.plan import (
     CompilationMode,
@@ -37,15 +37,9 @@ from warmup_ctl import driver
 from warmup_ctl.config import Config, parse_args
 from warmup_ctl.plan import cross_check
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.rpc, pytest.mark.timeout(60)]
 ROOT = Path(__file__).resolve().parent.parent
 Fake = tuple[FakeAdmin, int]  # the fixture: a started double and its port
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(port: int, **kw: object) -> Config:

@@ -16,6 +16,8 @@ from tests.conftest import tiny_args
 from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
+pytestmark = pytest.mark.rpc
+
 
 def q4_1_weights(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """Weights as a Q4_1 GGUF stores them: per 32 inputs, fp16 scale d and minimum m,
