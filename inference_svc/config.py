@@ -1,24 +1,36 @@
 """Service configuration: parsed once, from flags and environment, into a frozen dataclass.
 
-Every setting has a flag; the environment variable named beside it (read at
-parse time, never at import) supplies the default.
+Each setting is written once, as a `ServiceConfig` field declared with `setting()`: its
+default, its help text and its choices. The command line is generated from those fields:
+field `max_queue` is flag `--max-queue`, whose default the environment variable
+`INFERENCE_SVC_MAX_QUEUE` supplies (read when parsing, never at import). A field's type
+decides how its value is read: int, float, str, an enum by value, bool as on/off, and
+`int | None` / `str | None`, where "" (or nothing) means None. A secret setting is never a
+flag value (ps would show it): `--<name>-file` names a file holding it, or
+`INFERENCE_SVC_<NAME>` holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inference_api.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
 from inference_api.plan import CompilationMode, LogprobsMode
 
 # The generative model's linear-layer weights (inference_svc.models.weights applies them).
 LM_WEIGHTS = ("same", "bfloat16", "int4")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ON_OFF = ("on", "off")
 
 ENV_PREFIX = "INFERENCE_SVC_"
 
@@ -30,74 +42,206 @@ class LateCompilePolicy(enum.Enum):
     FAIL = "fail"  # also turns health NOT_SERVING
 
 
+def setting(
+    default: Any, help: str, *, choices: Sequence[str] | None = None, secret: bool = False
+) -> Any:
+    """A `ServiceConfig` field: its default, the help line of its flag, the flag's choices.
+
+    Enum fields take their members' values as choices, bool fields on/off. A secret is kept
+    out of repr and has no flag of its own: `--<name>-file` reads it from a file.
+    """
+    meta = {"help": help, "choices": tuple(choices) if choices else None, "secret": secret}
+    return dataclasses.field(default=default, repr=not secret, metadata=meta)
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    host: str = "0.0.0.0"  # public interface
-    port: int = DEFAULT_PORT  # public port: Inference, health, reflection (0 = any)
-    admin_host: str = DEFAULT_ADMIN_HOST  # admin port binds here: loopback only by default
-    admin_port: int = DEFAULT_ADMIN_PORT  # WarmupAdmin (0 = any)
-    metrics_host: str = "0.0.0.0"  # Prometheus /metrics listens here
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
-    tls_cert_file: str | None = None  # TLS on the public port: certificate chain (PEM)
-    tls_key_file: str | None = None  # ...and its private key (PEM)
-    tls_client_ca_file: str | None = None  # require client certificates signed by this CA
-    port_file: str | None = None  # write {"port", "admin_port", "pid"} here once listening
-    embed_model: str = "default"  # "default" (packaged MiniLM), "none", or a directory
-    lm_model: str = "default"  # "default" (packaged SmolLM2), "none", or a directory
-    # Converted (dequantized) GGUF models are kept here; "" turns the cache off.
-    model_cache_dir: str = "~/.cache/inference-svc/models"
-    compilation_mode: CompilationMode = CompilationMode.NONE
-    # Compiled artifacts (Dynamo packages, AOTAutograd and inductor caches) are kept here and
-    # reused by the next start whose key matches; "" turns it off (inductor's own cache only).
-    compile_cache_dir: str = "~/.cache/inference-svc/compile"
-    # Freeze weights into compiled graphs (prepacked for oneDNN/MKL): faster steps, but torch
-    # 2.13 caches no frozen graph, so every start compiles from scratch.
-    freeze_weights: bool = False
-    logprobs_mode: LogprobsMode = LogprobsMode.RAW
-    seed: int = 0  # global random state at start and the seed Describe hands to Reseed
-    device: str = "auto"  # auto: cuda when available, else cpu
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    lm_weights: str = "same"  # linear layers of the LM: same as --dtype, bfloat16 or int4
-    embed_max_batch: int = 32  # most inputs per Embed batch
-    # Under concurrent Embed calls, how long a batch may wait for the callers of the last
-    # one to come back (at most that batch's own time; 0 = never wait). See engine/worker.py.
-    embed_batch_wait_ms: float = 20.0
-    gen_max_batch: int = 16  # most sequences decoded together (KV-cache rows, memory allowing)
-    prefill_chunk_tokens: int = 64  # most prompt tokens prefilled between two decode steps
-    max_input_tokens: int = 512  # longest Generate prompt
-    max_new_tokens: int = 512  # largest max_tokens
-    kv_cache_tokens: int | None = None  # explicit KV-cache size; None = sized by PROFILE
-    kv_cache_memory_fraction: float = 0.5  # share of free memory PROFILE may give the cache
-    max_queue: int = 256  # queued requests per model before RESOURCE_EXHAUSTED
-    # Largest request message the public port accepts (grpc answers RESOURCE_EXHAUSTED past it).
-    max_request_bytes: int = 4 * 2**20
-    on_late_compile: LateCompilePolicy = LateCompilePolicy.WARN
-    grace_period: float = 10.0  # seconds in-flight calls get on SIGTERM
-    # Shared token every admin call must carry; "" = none. From --admin-token-file or the
-    # environment only (a flag's value would show in ps). Kept out of repr and logs.
-    admin_token: str = field(default="", repr=False)
-    log_level: str = "info"
-
-
-def _env(name: str, default: object) -> object:
-    return os.environ.get(ENV_PREFIX + name.upper(), default)
-
-
-def _flag(p: argparse.ArgumentParser, name: str, default: object, text: str, **kw: object) -> None:
-    """A flag whose default comes from INFERENCE_SVC_<NAME>; its help line says both."""
-    dest = name.removeprefix("--").replace("-", "_")
-    env = ENV_PREFIX + dest.upper()
-    shown = (
-        "off" if default is None else (default.value if isinstance(default, enum.Enum) else default)
+    host: str = setting("0.0.0.0", "public interface (Inference, grpc.health.v1, reflection)")
+    port: int = setting(DEFAULT_PORT, "public gRPC port; 0 picks a free one")
+    admin_host: str = setting(DEFAULT_ADMIN_HOST, "WarmupAdmin interface: keep it loopback")
+    admin_port: int = setting(DEFAULT_ADMIN_PORT, "WarmupAdmin port; 0 picks a free one")
+    metrics_host: str = setting("0.0.0.0", "Prometheus /metrics interface")
+    metrics_port: int | None = setting(None, "Prometheus /metrics port; 0 picks one")
+    tls_cert_file: str | None = setting(None, "TLS on the public port: certificate chain (PEM)")
+    tls_key_file: str | None = setting(None, "TLS on the public port: private key (PEM)")
+    tls_client_ca_file: str | None = setting(
+        None, "require client certificates signed by this CA (mutual TLS; needs --tls-cert-file)"
     )
-    value = default.value if isinstance(default, enum.Enum) else default
+    port_file: str | None = setting(
+        None, "write the ports, pid and boot id here as JSON once listening"
+    )
+    embed_model: str = setting(
+        "default", "'default' (all-MiniLM-L6-v2), 'none' or a model directory"
+    )
+    lm_model: str = setting(
+        "default", "'default' (SmolLM2-135M-Instruct), 'none' or a model directory"
+    )
+    model_cache_dir: str = setting(
+        "~/.cache/inference-svc/models", "converted GGUF models kept here ('' = no cache)"
+    )
+    compilation_mode: CompilationMode = setting(
+        CompilationMode.NONE, "none (eager) or a torch.compile mode"
+    )
+    # Dynamo packages, AOTAutograd and inductor caches, reused by the next start whose key
+    # matches; "" leaves only inductor's own cache.
+    compile_cache_dir: str = setting(
+        "~/.cache/inference-svc/compile",
+        "compiled artifacts kept here for the next start ('' = none)",
+    )
+    # Prepacked for oneDNN/MKL; torch 2.13 caches no frozen graph.
+    freeze_weights: bool = setting(
+        False, "on: weights frozen into compiled graphs (faster steps; every start compiles)"
+    )
+    logprobs_mode: LogprobsMode = setting(
+        LogprobsMode.RAW, "logprobs of the raw logits or of the processed distribution"
+    )
+    seed: int = setting(0, "random state at start; the seed Describe gives to Reseed")
+    device: str = setting("auto", "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    dtype: str = setting("auto", "auto: bfloat16 on cuda, float32 on cpu", choices=DTYPES)
+    lm_weights: str = setting(
+        "same",
+        "LM linear layers: same (as --dtype), bfloat16 or int4 (the rest stays --dtype)",
+        choices=LM_WEIGHTS,
+    )
+    embed_max_batch: int = setting(32, "most inputs per Embed batch")
+    embed_batch_wait_ms: float = setting(
+        20.0,
+        "after a batch of several concurrent Embed calls, the next waits up to this long "
+        "(and no longer than that batch took) for their callers' next calls; a lone call "
+        "never waits; 0 = off",
+    )
+    gen_max_batch: int = setting(
+        16, "most sequences decoded together (KV-cache rows; PROFILE caps it by memory)"
+    )
+    prefill_chunk_tokens: int = setting(
+        64, "most prompt tokens prefilled between two decode steps of running streams"
+    )
+    max_input_tokens: int = setting(512, "longest Generate prompt, in tokens")
+    max_new_tokens: int = setting(512, "largest max_tokens a request may ask")
+    kv_cache_tokens: int | None = setting(
+        None, "explicit KV-cache size in tokens (off: the PROFILE warmup step sizes it)"
+    )
+    kv_cache_memory_fraction: float = setting(
+        0.5, "share of free memory PROFILE may give the KV cache"
+    )
+    max_queue: int = setting(256, "queued requests per model before RESOURCE_EXHAUSTED")
+    # Past it grpc answers RESOURCE_EXHAUSTED.
+    max_request_bytes: int = setting(4 * 2**20, "largest request message on the public port")
+    on_late_compile: LateCompilePolicy = setting(
+        LateCompilePolicy.WARN,
+        "a compile after SERVING: warn (log, count) or fail (also health NOT_SERVING)",
+    )
+    admin_token: str = setting("", "the token every admin call must carry", secret=True)
+    grace_period: float = setting(10.0, "seconds in-flight calls get on SIGTERM")
+    log_level: str = setting("info", "debug, info, warning or error")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How one `ServiceConfig` field is read: its flag, its variable, its value's type."""
+
+    name: str
+    kind: type  # int, float, str, bool or an Enum
+    optional: bool  # `X | None`: "" means None
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None
+    secret: bool
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-") + ("-file" if self.secret else "")
+
+    @property
+    def dest(self) -> str:
+        """The flag's attribute in argparse's namespace."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag_env(self) -> str:
+        """The variable supplying the flag's default (for a secret: the file's path)."""
+        return self.env + ("_FILE" if self.secret else "")
+
+    def text(self, value: Any) -> str:
+        """A value as the command line spells it."""
+        if value is None:
+            return "off"
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        return str(value.value if isinstance(value, enum.Enum) else value)
+
+    def convert(self, raw: Any) -> Any:
+        """A parsed flag's value (a string unless argparse converted it) as the field's type."""
+        if raw is None or (self.optional and raw == ""):
+            return None
+        if self.kind is bool:
+            return raw == "on"
+        return self.kind(raw)
+
+
+def _split(hint: Any) -> tuple[type, bool]:
+    """The type of a field's values, and whether None is one of them (`X | None`)."""
+    args = typing.get_args(hint) if isinstance(hint, types.UnionType) else ()
+    kinds = [a for a in args if a is not type(None)]
+    return (kinds[0], True) if args else (hint, False)
+
+
+@functools.cache
+def settings() -> tuple[Setting, ...]:
+    """Every setting of `ServiceConfig`, in field order."""
+    hints = typing.get_type_hints(ServiceConfig)
+    out = []
+    for f in dataclasses.fields(ServiceConfig):
+        kind, optional = _split(hints[f.name])
+        choices = f.metadata["choices"]
+        if kind is bool:
+            choices = ON_OFF
+        elif isinstance(kind, type) and issubclass(kind, enum.Enum):
+            choices = tuple(m.value for m in kind)
+        out.append(
+            Setting(f.name, kind, optional, f.default, f.metadata["help"], choices,
+                    f.metadata["secret"])
+        )  # fmt: skip
+    return tuple(out)
+
+
+def _argparse_type(s: Setting) -> Callable[[str], Any] | None:
+    """What argparse applies to a flag's string (enums and bools stay strings until convert)."""
+    if s.kind not in (int, float):
+        return None
+    if not s.optional:
+        return s.kind
+
+    def optional(raw: str) -> Any:
+        return None if raw == "" else s.kind(raw)
+
+    optional.__name__ = s.kind.__name__  # argparse's error names it: "invalid int value"
+    return optional
+
+
+def _add_flag(p: argparse.ArgumentParser, s: Setting, environ: Mapping[str, str]) -> None:
+    """The setting's flag; its default is the variable's value, else the field's default."""
+    if s.secret:  # the flag names a file; the field's default is no file
+        text, default = f"file holding {s.help} (or set {s.env})", None
+    else:
+        text, default = s.help, s.default
+    line = f"{text} (default: {s.text(default)}; env {s.flag_env})"
     p.add_argument(
-        name, default=_env(dest, value), help=f"{text} (default: {shown!s}; env {env})", **kw
+        s.flag,
+        default=environ.get(s.flag_env, None if default is None else s.text(default)),
+        type=_argparse_type(s),
+        choices=s.choices,
+        help=line.replace("%", "%%"),
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    d = ServiceConfig()
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """`inference-svc`'s flags, one per `ServiceConfig` field; defaults from `environ`."""
+    environ = os.environ if environ is None else environ
     p = argparse.ArgumentParser(
         prog="inference-svc",
         description="gRPC inference service (Embed, Generate) behind a warmup health gate: "
@@ -106,176 +250,59 @@ def build_parser() -> argparse.ArgumentParser:
         "'inference-svc precompile [flags]' runs the warmup steps in process, keeps the "
         "compiled artifacts in --compile-cache-dir and exits.",
     )
-    f = functools.partial(_flag, p)
-    f("--host", d.host, "public interface (Inference, grpc.health.v1, reflection)")
-    f("--port", d.port, "public gRPC port; 0 picks a free one", type=int)
-    f("--admin-host", d.admin_host, "WarmupAdmin interface: keep it loopback")
-    f("--admin-port", d.admin_port, "WarmupAdmin port; 0 picks a free one", type=int)
-    f("--metrics-host", d.metrics_host, "Prometheus /metrics interface")
-    f("--metrics-port", d.metrics_port, "Prometheus /metrics port; 0 picks one", type=int)
-    f("--tls-cert-file", d.tls_cert_file, "TLS on the public port: certificate chain (PEM)")
-    f("--tls-key-file", d.tls_key_file, "TLS on the public port: private key (PEM)")
-    f(
-        "--tls-client-ca-file",
-        d.tls_client_ca_file,
-        "require client certificates signed by this CA (mutual TLS; needs --tls-cert-file)",
-    )
-    f("--port-file", d.port_file, "write the ports, pid and boot id here as JSON once listening")
-    f("--embed-model", d.embed_model, "'default' (all-MiniLM-L6-v2), 'none' or a model directory")
-    f("--lm-model", d.lm_model, "'default' (SmolLM2-135M-Instruct), 'none' or a model directory")
-    f("--model-cache-dir", d.model_cache_dir, "converted GGUF models kept here ('' = no cache)")
-    f(
-        "--compilation-mode",
-        d.compilation_mode,
-        "none (eager) or a torch.compile mode",
-        choices=[m.value for m in CompilationMode],
-    )
-    f(
-        "--compile-cache-dir",
-        d.compile_cache_dir,
-        "compiled artifacts kept here for the next start ('' = none)",
-    )
-    f(
-        "--freeze-weights",
-        "off",
-        "on: weights frozen into compiled graphs (faster steps; every start compiles)",
-        choices=["on", "off"],
-    )
-    f(
-        "--logprobs-mode",
-        d.logprobs_mode,
-        "logprobs of the raw logits or of the processed distribution",
-        choices=[m.value for m in LogprobsMode],
-    )
-    f("--seed", d.seed, "random state at start; the seed Describe gives to Reseed", type=int)
-    f("--device", d.device, "auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    f(
-        "--dtype",
-        d.dtype,
-        "auto: bfloat16 on cuda, float32 on cpu",
-        choices=["auto", "float32", "bfloat16", "float16"],
-    )
-    f(
-        "--lm-weights",
-        d.lm_weights,
-        "LM linear layers: same (as --dtype), bfloat16 or int4 (the rest stays --dtype)",
-        choices=list(LM_WEIGHTS),
-    )
-    f("--embed-max-batch", d.embed_max_batch, "most inputs per Embed batch", type=int)
-    f(
-        "--embed-batch-wait-ms",
-        d.embed_batch_wait_ms,
-        "after a batch of several concurrent Embed calls, the next waits up to this long "
-        "(and no longer than that batch took) for their callers' next calls; a lone call "
-        "never waits; 0 = off",
-        type=float,
-    )
-    f(
-        "--gen-max-batch",
-        d.gen_max_batch,
-        "most sequences decoded together (KV-cache rows; PROFILE caps it by memory)",
-        type=int,
-    )
-    f(
-        "--prefill-chunk-tokens",
-        d.prefill_chunk_tokens,
-        "most prompt tokens prefilled between two decode steps of running streams",
-        type=int,
-    )
-    f("--max-input-tokens", d.max_input_tokens, "longest Generate prompt, in tokens", type=int)
-    f("--max-new-tokens", d.max_new_tokens, "largest max_tokens a request may ask", type=int)
-    f(
-        "--kv-cache-tokens",
-        d.kv_cache_tokens,
-        "explicit KV-cache size in tokens (off: the PROFILE warmup step sizes it)",
-        type=int,
-    )
-    f(
-        "--kv-cache-memory-fraction",
-        d.kv_cache_memory_fraction,
-        "share of free memory PROFILE may give the KV cache",
-        type=float,
-    )
-    f("--max-queue", d.max_queue, "queued requests per model before RESOURCE_EXHAUSTED", type=int)
-    f(
-        "--max-request-bytes",
-        d.max_request_bytes,
-        "largest request message on the public port",
-        type=int,
-    )
-    f(
-        "--on-late-compile",
-        d.on_late_compile,
-        "a compile after SERVING: warn (log, count) or fail (also health NOT_SERVING)",
-        choices=[x.value for x in LateCompilePolicy],
-    )
-    f(
-        "--admin-token-file",
-        None,
-        "file holding the token every admin call must carry (or set INFERENCE_SVC_ADMIN_TOKEN)",
-    )
-    f("--grace-period", d.grace_period, "seconds in-flight calls get on SIGTERM", type=float)
-    f("--log-level", d.log_level, "debug, info, warning or error")
+    for s in settings():
+        _add_flag(p, s, environ)
     return p
 
 
-def parse_config(argv: Sequence[str] | None = None) -> ServiceConfig:
-    p = build_parser()
-    a = p.parse_args(argv)
-    if a.gen_max_batch < 2 or a.embed_max_batch < 1:
+def _secret(p: argparse.ArgumentParser, s: Setting, path: str | None, env: Mapping) -> str:
+    """A secret from the file its flag names, else from its variable."""
+    if not path:
+        return env.get(s.env, "")
+    try:
+        return Path(path).read_text().strip()
+    except OSError as e:
+        p.error(f"{s.flag}: {e}")
+
+
+def _check(p: argparse.ArgumentParser, c: ServiceConfig) -> None:
+    """The rules no single field's type states."""
+    if c.gen_max_batch < 2 or c.embed_max_batch < 1:
         p.error("--gen-max-batch must be at least 2 and --embed-max-batch at least 1")
-    if a.embed_batch_wait_ms < 0:
+    if c.embed_batch_wait_ms < 0:
         p.error("--embed-batch-wait-ms must be 0 (off) or more")
-    if a.max_input_tokens < 2 or a.max_new_tokens < 1:
+    if c.max_input_tokens < 2 or c.max_new_tokens < 1:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
-    if a.prefill_chunk_tokens < 16:
+    if c.prefill_chunk_tokens < 16:
         p.error("--prefill-chunk-tokens must be at least 16")
-    if not 0 < a.kv_cache_memory_fraction <= 1:
+    if not 0 < c.kv_cache_memory_fraction <= 1:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
-    if bool(a.tls_cert_file) != bool(a.tls_key_file):
+    if bool(c.tls_cert_file) != bool(c.tls_key_file):
         p.error("--tls-cert-file and --tls-key-file go together")
-    if a.tls_client_ca_file and not a.tls_cert_file:
+    if c.tls_client_ca_file and not c.tls_cert_file:
         p.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
-    token = os.environ.get(ENV_PREFIX + "ADMIN_TOKEN", "")
-    if a.admin_token_file:
-        try:
-            token = Path(a.admin_token_file).read_text().strip()
-        except OSError as e:
-            p.error(f"--admin-token-file: {e}")
-    return ServiceConfig(
-        host=a.host,
-        port=int(a.port),
-        admin_host=a.admin_host,
-        admin_port=int(a.admin_port),
-        tls_cert_file=a.tls_cert_file or None,
-        tls_key_file=a.tls_key_file or None,
-        tls_client_ca_file=a.tls_client_ca_file or None,
-        port_file=a.port_file,
-        metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port in (None, "") else int(a.metrics_port),
-        embed_model=a.embed_model,
-        lm_model=a.lm_model,
-        model_cache_dir=a.model_cache_dir,
-        compilation_mode=CompilationMode(a.compilation_mode),
-        compile_cache_dir=a.compile_cache_dir,
-        freeze_weights=a.freeze_weights == "on",
-        logprobs_mode=LogprobsMode(a.logprobs_mode),
-        seed=int(a.seed),
-        device=a.device,
-        dtype=a.dtype,
-        lm_weights=a.lm_weights,
-        embed_max_batch=int(a.embed_max_batch),
-        embed_batch_wait_ms=float(a.embed_batch_wait_ms),
-        gen_max_batch=int(a.gen_max_batch),
-        prefill_chunk_tokens=int(a.prefill_chunk_tokens),
-        max_input_tokens=int(a.max_input_tokens),
-        max_new_tokens=int(a.max_new_tokens),
-        kv_cache_tokens=None if a.kv_cache_tokens in (None, "") else int(a.kv_cache_tokens),
-        kv_cache_memory_fraction=float(a.kv_cache_memory_fraction),
-        max_queue=int(a.max_queue),
-        max_request_bytes=int(a.max_request_bytes),
-        on_late_compile=LateCompilePolicy(a.on_late_compile),
-        grace_period=float(a.grace_period),
-        admin_token=token,
-        log_level=a.log_level,
+
+
+def parse_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServiceConfig:
+    """Flags over environment (`environ`, default os.environ) over the fields' defaults."""
+    environ = os.environ if environ is None else environ
+    p = build_parser(environ)
+    a = vars(p.parse_args(argv))
+    values: dict[str, Any] = {}
+    secrets: dict[Setting, str | None] = {}
+    for s in settings():
+        raw = a[s.dest]
+        if s.secret:
+            secrets[s] = raw
+        elif s.choices and raw not in s.choices:
+            # argparse checks a flag's choices, not a default that came from the environment.
+            p.error(f"{s.env}: invalid choice: {raw!r} (choose from {', '.join(s.choices)})")
+        else:
+            values[s.name] = s.convert(raw)
+    config = ServiceConfig(**values)
+    _check(p, config)
+    return dataclasses.replace(
+        config, **{s.name: _secret(p, s, path, environ) for s, path in secrets.items()}
     )
