@@ -21,6 +21,8 @@ from inference_svc.config import (
 )
 from warmup_ctl.config import _parser as sidecar_parser
 
+pytestmark = pytest.mark.unit
+
 
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and a.dest != "help"]
