@@ -19,7 +19,9 @@ from inference_svc.config import (
     build_parser,
     parse_config,
 )
+from warmup_ctl.config import Config as SidecarConfig
 from warmup_ctl.config import _parser as sidecar_parser
+from warmup_ctl.config import parse_args as sidecar_args
 
 pytestmark = pytest.mark.unit
 
@@ -153,3 +155,34 @@ def test_every_sidecar_flag_says_what_it_does_and_its_default() -> None:
     for action in options(parser):
         assert action.help, action.dest
     assert "(default: " in parser.format_help()
+
+
+def test_every_sidecar_field_has_a_flag_and_its_variable_is_named() -> None:
+    parser = sidecar_parser({})
+    flags = {a.option_strings[0]: a for a in options(parser)}
+    for f in dataclasses.fields(SidecarConfig):
+        flag = "--" + f.name.replace("_", "-") + ("-file" if f.metadata["secret"] else "")
+        assert flag in flags, f.name
+        if f.metadata["env"]:
+            assert f.metadata["env"] in flags[flag].help, f.name
+    assert len(flags) == len(dataclasses.fields(SidecarConfig))
+
+
+def test_the_sidecar_environment_sets_a_default_and_a_flag_wins() -> None:
+    env = {"WARMUP_CTL_PUBLIC": "10.0.0.2:1", "WARMUP_CTL_PUBLIC_TLS_CA": "ca.pem"}
+    cfg = sidecar_args([], env)
+    assert (cfg.public, cfg.public_tls_ca, cfg.once) == ("10.0.0.2:1", "ca.pem", False)
+    cfg = sidecar_args(["--public", "h:2", "--public-tls-ca", "", "--once"], env)
+    assert (cfg.public, cfg.public_tls_ca, cfg.once) == ("h:2", "", True)
+    assert sidecar_args([], {}) == SidecarConfig()
+
+
+def test_a_bad_sidecar_value_is_a_usage_error_naming_the_flag(capsys) -> None:
+    for argv, named in [
+        (["--retries", "x"], "argument --retries: invalid int value"),
+        (["--log-level", "loud"], "argument --log-level: invalid choice"),
+        (["--public-tls-cert", "c.pem"], "--public-tls-cert and --public-tls-key go together"),
+    ]:
+        with pytest.raises(SystemExit):
+            sidecar_args(argv, {})
+        assert named in capsys.readouterr().err

@@ -1,17 +1,22 @@
 """The sidecar's settings: parsed once, from flags and the environment, into a frozen Config.
 
-Environment variables (read only by parse_args, never at import time):
-  WARMUP_CTL_ADMIN   the service's admin address, host:port (the default for --admin)
-  WARMUP_CTL_PUBLIC  the service's public address, host:port (the default for --public)
-  WARMUP_CTL_PUBLIC_TLS_CA  CA bundle to trust when the public port speaks TLS
+Each setting is written once, as a `Config` field declared with `option()`: its default,
+its help text, its choices and, for the few the deployments set that way, the environment
+variable supplying its default (read only by parse_args, never at import time). The flags
+are generated from the fields: field `step_timeout` is flag `--step-timeout`; a bool is a
+switch (`--once`). The admin token is never a flag's value: `--admin-token-file` names a
+file holding it, or WARMUP_CTL_ADMIN_TOKEN holds it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from inference_api import names
 
@@ -20,38 +25,76 @@ ENV_PUBLIC = "WARMUP_CTL_PUBLIC"
 ENV_TOKEN = "WARMUP_CTL_ADMIN_TOKEN"
 ENV_PUBLIC_TLS_CA = "WARMUP_CTL_PUBLIC_TLS_CA"
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SECONDS = "S"  # the metavar of a duration
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    env: str | None = None,
+    metavar: str | None = None,
+    choices: Sequence[str] | None = None,
+    secret: bool = False,
+) -> Any:
+    """A `Config` field with its flag's help, metavar, choices and environment variable.
+
+    A secret is kept out of repr and has no flag of its own: `--<name>-file` reads it.
+    """
+    meta = {"help": help, "env": env, "metavar": metavar, "choices": choices, "secret": secret}
+    return dataclasses.field(default=default, repr=not secret, metadata=meta)
 
 
 @dataclass(frozen=True)
 class Config:
-    # WarmupAdmin address (loopback: the sidecar shares the service's network namespace).
-    admin: str = f"{names.DEFAULT_ADMIN_HOST}:{names.DEFAULT_ADMIN_PORT}"
-    # Public address: checked with grpc.health.v1 after MarkServing, and shown to the operator.
-    public: str = f"127.0.0.1:{names.DEFAULT_PORT}"
-    # Warm once and exit: 0 once SERVING, 1 with the reason otherwise.
-    once: bool = False
-    # Seconds to wait for the admin port to answer and the models to load.
-    connect_timeout: float = 900.0
-    # Deadline of one Warmup call. A cold compile of a real model on 2 CPU cores takes
-    # minutes per graph, and one COMPILE step may compile several graphs.
-    step_timeout: float = 1800.0
-    # Retries of a failed step (attempts = retries + 1), and of Reseed / MarkServing.
-    retries: int = 3
-    # Seconds between Describe polls while watching for a restart.
-    poll_interval: float = 2.0
-    # Exponential backoff between retries: first wait, and the cap.
-    backoff_initial: float = 0.5
-    backoff_max: float = 5.0
-    # Deadline of Describe, Reseed, MarkServing and the health check.
-    rpc_timeout: float = 10.0
-    log_level: str = "info"
-    # The service's admin token ("" = none): from --admin-token-file or WARMUP_CTL_ADMIN_TOKEN.
-    admin_token: str = field(default="", repr=False)
-    # The public port speaks TLS: the CA to trust ("" = plaintext), and a client certificate
-    # and key when the service requires one (mutual TLS). Paths to PEM files.
-    public_tls_ca: str = ""
-    public_tls_cert: str = ""
-    public_tls_key: str = ""
+    # Loopback: the sidecar shares the service's network namespace.
+    admin: str = option(
+        f"{names.DEFAULT_ADMIN_HOST}:{names.DEFAULT_ADMIN_PORT}",
+        "WarmupAdmin address, host:port",
+        env=ENV_ADMIN,
+    )
+    public: str = option(
+        f"127.0.0.1:{names.DEFAULT_PORT}",
+        "public address, for the health check (after MarkServing) and the hint",
+        env=ENV_PUBLIC,
+    )
+    once: bool = option(False, "warm once and exit: 0 SERVING, 1 failed (with the reason)")
+    connect_timeout: float = option(
+        900.0, "seconds to wait for the admin port and the models to load", metavar=SECONDS
+    )
+    # A cold compile of a real model on 2 CPU cores takes minutes per graph, and one COMPILE
+    # step may compile several graphs.
+    step_timeout: float = option(
+        1800.0,
+        "deadline of one warmup step (a cold compile takes minutes per graph)",
+        metavar=SECONDS,
+    )
+    retries: int = option(
+        3, "retries of a failed step (attempts = retries + 1), and of Reseed and MarkServing"
+    )
+    poll_interval: float = option(
+        2.0, "seconds between Describe polls while watching for a restart", metavar=SECONDS
+    )
+    backoff_initial: float = option(
+        0.5, "first wait between retries (doubles each retry)", metavar=SECONDS
+    )
+    backoff_max: float = option(5.0, "longest wait between retries", metavar=SECONDS)
+    rpc_timeout: float = option(
+        10.0, "deadline of Describe, Reseed, MarkServing and the health check", metavar=SECONDS
+    )
+    admin_token: str = option("", "the service's admin token", env=ENV_TOKEN, secret=True)
+    # Paths to PEM files.
+    public_tls_ca: str = option(
+        "",
+        "the public port speaks TLS: trust this CA bundle (none: plaintext)",
+        env=ENV_PUBLIC_TLS_CA,
+        metavar="FILE",
+    )
+    public_tls_cert: str = option(
+        "", "client certificate, when the service requires one (mutual TLS)", metavar="FILE"
+    )
+    public_tls_key: str = option("", "client key (mutual TLS)", metavar="FILE")
+    log_level: str = option("info", "log verbosity", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
         for name in ("connect_timeout", "step_timeout", "poll_interval", "rpc_timeout"):
@@ -72,85 +115,48 @@ class Config:
             raise ValueError(f"log level {self.log_level!r}; expected one of {LOG_LEVELS}")
 
 
+def _flag(field: dataclasses.Field) -> str:
+    return "--" + field.name.replace("_", "-") + ("-file" if field.metadata["secret"] else "")
+
+
+def _add(p: argparse.ArgumentParser, f: dataclasses.Field, kind: Any, environ: Mapping) -> None:
+    """The field's flag; its default is its variable's value, else the field's default."""
+    m = f.metadata
+    if m["secret"]:  # the flag names a file; the variable holds the secret itself
+        p.add_argument(
+            _flag(f),
+            metavar="FILE",
+            help=f"file holding {m['help']} (or set {m['env']}; default: none)",
+        )
+        return
+    shown = ("on" if f.default else "off") if kind is bool else (f.default or "none")
+    env = f"; env {m['env']}" if m["env"] else ""
+    text = f"{m['help']} (default: {shown}{env})".replace("%", "%%")
+    if kind is bool:
+        p.add_argument(_flag(f), action="store_true", help=text)
+        return
+    default = environ.get(m["env"], f.default) if m["env"] else f.default
+    p.add_argument(
+        _flag(f),
+        type=kind,
+        default=default,
+        metavar=m["metavar"],
+        choices=m["choices"],
+        help=text,
+    )
+
+
 def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
-    d = Config()
+    """warmup-ctl's flags, one per `Config` field; defaults from `environ`."""
     p = argparse.ArgumentParser(
         prog="warmup-ctl",
         description="Drives the warmup of inference-svc (the steps its Describe requires), "
         "reseeds it, marks it SERVING, then watches for a restart and does it again.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add = p.add_argument
-    add(
-        "--admin",
-        default=environ.get(ENV_ADMIN, d.admin),
-        help=f"WarmupAdmin address, host:port (env {ENV_ADMIN})",
-    )
-    add(
-        "--public",
-        default=environ.get(ENV_PUBLIC, d.public),
-        help=f"public address, for the health check and the hint (env {ENV_PUBLIC})",
-    )
-    add("--once", action="store_true", help="warm once and exit: 0 SERVING, 1 failed")
-    add(
-        "--connect-timeout",
-        type=float,
-        default=d.connect_timeout,
-        metavar="S",
-        help="seconds to wait for the admin port and the models to load",
-    )
-    add(
-        "--step-timeout",
-        type=float,
-        default=d.step_timeout,
-        metavar="S",
-        help="deadline of one warmup step (a cold compile takes minutes per graph)",
-    )
-    add("--retries", type=int, default=d.retries, help="retries of a failed step")
-    add(
-        "--poll-interval",
-        type=float,
-        default=d.poll_interval,
-        metavar="S",
-        help="seconds between Describe polls while watching for a restart",
-    )
-    add(
-        "--backoff-initial",
-        type=float,
-        default=d.backoff_initial,
-        metavar="S",
-        help="first wait between retries (doubles each retry)",
-    )
-    add(
-        "--backoff-max",
-        type=float,
-        default=d.backoff_max,
-        metavar="S",
-        help="longest wait between retries",
-    )
-    add(
-        "--rpc-timeout",
-        type=float,
-        default=d.rpc_timeout,
-        metavar="S",
-        help="deadline of Describe, Reseed, MarkServing and the health check",
-    )
-    add(
-        "--admin-token-file",
-        metavar="FILE",
-        help=f"file holding the service's admin token (or set {ENV_TOKEN}; default: none)",
-    )
-    add(
-        "--public-tls-ca",
-        default=environ.get(ENV_PUBLIC_TLS_CA, d.public_tls_ca),
-        metavar="FILE",
-        help=f"the public port speaks TLS: trust this CA bundle (env {ENV_PUBLIC_TLS_CA}; "
-        "default: plaintext)",
-    )
-    add("--public-tls-cert", default="", metavar="FILE", help="client certificate (mutual TLS)")
-    add("--public-tls-key", default="", metavar="FILE", help="client key (mutual TLS)")
-    add("--log-level", default=d.log_level, choices=LOG_LEVELS, help="log verbosity")
-    return p  # fmt: skip
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        _add(p, f, hints[f.name], environ)
+    return p
 
 
 def _token(path: str | None, environ: Mapping[str, str]) -> str:
@@ -165,24 +171,12 @@ def _token(path: str | None, environ: Mapping[str, str]) -> str:
 def parse_args(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Config:
     """Flags over environment over defaults; exits with a usage message on a bad value."""
     parser = _parser(environ)
-    a = parser.parse_args(argv)
+    a = vars(parser.parse_args(argv))
     try:
-        return Config(
-            admin=a.admin,
-            public=a.public,
-            once=a.once,
-            connect_timeout=a.connect_timeout,
-            step_timeout=a.step_timeout,
-            retries=a.retries,
-            poll_interval=a.poll_interval,
-            backoff_initial=a.backoff_initial,
-            backoff_max=a.backoff_max,
-            rpc_timeout=a.rpc_timeout,
-            log_level=a.log_level,
-            public_tls_ca=a.public_tls_ca,
-            public_tls_cert=a.public_tls_cert,
-            public_tls_key=a.public_tls_key,
-            admin_token=_token(a.admin_token_file, environ),
-        )
+        values = {
+            f.name: _token(a[f.name + "_file"], environ) if f.metadata["secret"] else a[f.name]
+            for f in dataclasses.fields(Config)
+        }
+        return Config(**values)
     except ValueError as e:
         parser.error(str(e))
