@@ -3,7 +3,7 @@
 # the whole suite. Extra arguments go to pytest, e.g. scripts/test.sh -k health.
 #
 # The end-to-end tests start the real service and sidecar as processes; the Docker
-# end-to-end test runs only with RUN_DOCKER_E2E=1 (see README, "Deploy").
+# end-to-end test runs only with RUN_DOCKER_E2E=1 (see deploy/README.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

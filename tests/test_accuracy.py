@@ -1,5 +1,5 @@
 """Accuracy of each numerics option on the real models against float32 (bench/accuracy.py
-has the method and prints the figures README quotes). Eager: the compiled graphs run the
+has the method and prints the figures docs/numerics.md quotes). Eager: the compiled graphs run the
 same kernels' numerics, and the slow end-to-end test checks compiled == eager tokens."""
 
 from __future__ import annotations
