@@ -112,7 +112,7 @@ class EngineCollector(Collector):
             "inference_kv_cache_tokens", "Tokens the KV cache holds (0: none yet)", labels=["model"]
         )
         for name, runtime in self.engine.runtimes.items():
-            worker = runtime.worker
+            worker = runtime.inbox
             depth.add_metric([name], worker.depth())
             rows.add_metric([name], worker.rows_in_use)
             for n, count in sorted(worker.batches_by_rows.items()):

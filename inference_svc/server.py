@@ -18,7 +18,7 @@ import grpc
 
 from inference_svc import __version__, wire
 from inference_svc.engine.core import Engine
-from inference_svc.engine.generative import GenerativeRuntime
+from inference_svc.engine.generate_runtime import GenerativeRuntime
 from inference_svc.engine.types import GenChunk, GenerateParams
 from inference_svc.errors import (
     FailedPrecondition,

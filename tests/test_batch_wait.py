@@ -1,7 +1,7 @@
 """--embed-batch-wait-ms: after a batch of several calls, the next batch waits (briefly) for
 the callers just answered, so concurrent closed-loop callers share one batch instead of
 settling into two half-size cohorts; a lone call never waits, and neither does a call or a
-stop queued behind held jobs. On the real compute thread, with a worker whose batches
+stop queued behind held jobs. On a real compute thread, with a batcher whose batches
 take a known time."""
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from concurrent.futures import Future
 import pytest
 
 from inference_svc.config import parse_config
-from inference_svc.engine.worker import ModelWorker
+from inference_svc.engine.batcher import Batcher
+from inference_svc.engine.compute import ComputeThread
+from inference_svc.engine.inbox import Inbox
+
+pytestmark = pytest.mark.unit
 
 RUN_S = 0.2  # how long every batch takes
 
@@ -24,13 +28,22 @@ class Job:
         self.submitted = time.monotonic()
 
 
-class Recorder(ModelWorker[Job]):
+class Recorder:
+    """An inbox and a batcher on a compute thread of their own; batches of at most 8 jobs."""
+
     def __init__(self, batch_wait_s: float) -> None:
-        super().__init__("recorder", 64, batch_wait_s)
+        self.inbox: Inbox[Job] = Inbox("recorder", 64, ComputeThread())
+        self.batcher = Batcher(
+            "recorder", self.inbox, self.run_batch, self.fail, capacity=8,
+            batch_wait_s=batch_wait_s,
+        )  # fmt: skip
         self.batches: list[int] = []
 
-    def capacity(self) -> int:
-        return 8
+    def submit(self, job: Job) -> None:
+        self.inbox.submit(job)
+
+    def call(self, fn):
+        return self.inbox.call(fn)
 
     def run_batch(self, jobs: list[Job]) -> None:
         started = time.monotonic()
@@ -47,7 +60,7 @@ class Recorder(ModelWorker[Job]):
 def worker(request):
     w = Recorder(getattr(request, "param", 1.0))
     yield w
-    w.stop()
+    w.inbox.stop()
 
 
 def submit(w: Recorder, n: int) -> list[Job]:
@@ -119,3 +132,22 @@ def test_the_flag_defaults_to_20_ms_and_refuses_negative_values(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_config(["--embed-batch-wait-ms", "-1"])
     assert "--embed-batch-wait-ms" in capsys.readouterr().err
+
+
+def test_a_stop_answers_the_jobs_still_waiting(worker) -> None:
+    release = threading.Event()
+    blocked = worker.call(release.wait)
+    jobs = submit(worker, 4)  # before the stop: they run
+    worker.inbox.stop(timeout=0)  # queued behind them; returns at once
+    jobs += submit(worker, 2)  # behind the stop: answered UNAVAILABLE, not left hanging
+    release.set()
+    blocked.result(10)
+    outcomes = []
+    for job in jobs:
+        try:
+            job.future.result(10)
+            outcomes.append("ran")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    assert outcomes == ["ran"] * 4 + ["Unavailable"] * 2
+    assert worker.inbox.stopped.wait(10)

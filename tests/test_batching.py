@@ -111,7 +111,7 @@ async def test_a_request_joins_a_running_batch_and_leaves_first(svc):
 
 async def test_cancelled_streams_free_their_rows(svc):
     service, c = svc
-    worker = service.engine.runtimes["generative"].worker
+    worker = service.engine.runtimes["generative"].inbox
     streams = [c.inference.GenerateStream(request(4, tokens=48)) for _ in range(ROWS)]
     await asyncio.gather(*(until_tokens(s, 1) for s in streams))
     assert worker.rows_in_use == ROWS
@@ -130,7 +130,7 @@ async def test_cancelled_streams_free_their_rows(svc):
 
 async def test_expired_deadline_frees_the_row(svc):
     service, c = svc
-    worker = service.engine.runtimes["generative"].worker
+    worker = service.engine.runtimes["generative"].inbox
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await c.inference.Generate(request(4, tokens=48), timeout=0.05)
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

@@ -35,7 +35,7 @@ async def rpc_error(call) -> grpc.aio.AioRpcError:
 
 async def test_a_cancelled_embed_never_costs_the_others_their_answer(served) -> None:
     service, c = served
-    worker = service.engine.runtimes["embedding"].worker
+    worker = service.engine.runtimes["embedding"].inbox
     for cancelled in range(4):  # the cancelled call at each place in the batch
         hold = threading.Event()
         blocker = worker.call(hold.wait)  # the model thread is busy: the calls queue up
@@ -122,13 +122,13 @@ async def test_tokenizing_runs_on_the_text_thread(served, monkeypatch) -> None:
     service, c = served
     seen: list[str] = []
     for runtime in service.engine.runtimes.values():
-        prepare = runtime.worker.prepare
+        prepare = runtime._prepare
 
         def spy(params, prepare=prepare):
             seen.append(threading.current_thread().name)
             return prepare(params)
 
-        monkeypatch.setattr(runtime.worker, "prepare", spy)
+        monkeypatch.setattr(runtime, "_prepare", spy)
     await c.inference.Embed(pb.EmbedRequest(inputs=["a text"]))
     await c.inference.Generate(pb.GenerateRequest(prompt="hi", sampling={"max_tokens": 2}))
     assert [name.rsplit("_", 1)[0] for name in seen] == ["text-embedding", "text-generative"]

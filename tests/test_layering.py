@@ -109,3 +109,11 @@ def test_the_contract_loads_neither_torch_nor_either_side() -> None:
     names = [f"inference_api.{p.stem}" for p in modules("inference_api") if p.stem != "__init__"]
     loaded = loaded_after_import(*names)
     assert not loaded & {"torch", "inference_svc", "warmup_ctl", "inference_cli"}
+
+
+def test_the_scheduler_and_the_output_stage_load_no_torch() -> None:
+    """The Generate scheduler, the output stage, the inbox and the batcher are plain Python:
+    unit-testable without torch or gRPC."""
+    pure = ("scheduler", "output", "inbox", "batcher", "compute")
+    loaded = loaded_after_import(*(f"inference_svc.engine.{m}" for m in pure))
+    assert not loaded & {"torch", "grpc", "transformers", "numpy"}

@@ -27,13 +27,13 @@ from inference_api.plan import ModelKind, ModelProfile, Plan, Step, StepKind, pl
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
 from inference_svc.engine import artifacts
-from inference_svc.engine.embedding import EmbeddingRuntime
+from inference_svc.engine.compute import ComputeThread
+from inference_svc.engine.embed_runtime import EmbeddingRuntime
 from inference_svc.engine.factory import LOAD_FLAG, model_dirs, runtime_specs
 from inference_svc.engine.gate import ServingGate
-from inference_svc.engine.generative import GenerativeRuntime
+from inference_svc.engine.generate_runtime import GenerativeRuntime
 from inference_svc.engine.runtime import ModelRuntime, StepReport
 from inference_svc.engine.types import RuntimeInfo
-from inference_svc.engine.worker import COMPUTE
 from inference_svc.errors import InvalidArgument, Unavailable
 from inference_svc.models.compile import set_freezing
 
@@ -56,6 +56,7 @@ class Engine:
         self.monitor = CompileMonitor()
         self.monitor.on_late = self._on_late_compile
         self.gate = ServingGate()
+        self.compute = ComputeThread()  # runs every model's work (engine/compute.py)
         self.runtimes: dict[str, ModelRuntime] = {}  # by runtime name, in load order
         self.loaded: list[LoadedModel] = []
         self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
@@ -74,15 +75,15 @@ class Engine:
         self.artifacts = artifacts.for_config(self.config, model_dirs(self.config))
         if self.artifacts is not None:
             # Before any model is built: torch.compile looks up Dynamo packages then.
-            COMPUTE.run(self.artifacts.open).result()
-        for spec in runtime_specs(self.config, self.monitor):
+            self.compute.run(self.artifacts.open).result()
+        for spec in runtime_specs(self.config, self.monitor, self.compute):
             log.info("loading model %s (%s)", spec.name, spec.kind.value)
             start = time.perf_counter()
             before = artifacts.dynamo_cache_counts()
             # On the compute thread: it is the only thread that runs torch's parallel
-            # kernels in this process (engine/worker.py says why).
+            # kernels in this process (engine/compute.py says why).
             try:
-                runtime = self.runtimes[spec.name] = COMPUTE.run(spec.load).result()
+                runtime = self.runtimes[spec.name] = self.compute.run(spec.load).result()
             except Exception as exc:
                 if self.artifacts is not None and self.artifacts.loaded:
                     moved = self.artifacts.discard(f"loading {spec.name} failed: {exc!r}")

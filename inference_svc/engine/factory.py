@@ -15,8 +15,9 @@ import torch
 from inference_api.plan import ModelKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.config import ServiceConfig
-from inference_svc.engine.embedding import EmbeddingRuntime
-from inference_svc.engine.generative import GenerativeRuntime, KvCachePolicy
+from inference_svc.engine.compute import ComputeThread
+from inference_svc.engine.embed_runtime import EmbeddingRuntime
+from inference_svc.engine.generate_runtime import GenerativeRuntime, KvCachePolicy
 from inference_svc.engine.runtime import ModelRuntime
 from inference_svc.limits import GenLimits
 from inference_svc.models.embedding import load_embedding
@@ -43,17 +44,23 @@ class RuntimeSpec:
     load: Callable[[], ModelRuntime]  # blocking: runs off the event loop
 
 
-def runtime_specs(config: ServiceConfig, monitor: CompileMonitor) -> list[RuntimeSpec]:
+def runtime_specs(
+    config: ServiceConfig, monitor: CompileMonitor, compute: ComputeThread
+) -> list[RuntimeSpec]:
     """The runtimes ``config`` asks for, in the order they load and warm."""
     c = config
     specs: list[RuntimeSpec] = []
     if c.embed_model != "none":
         specs.append(
-            RuntimeSpec(EMBED_NAME, ModelKind.EMBEDDING, lambda: _load_embedding(c, monitor))
+            RuntimeSpec(
+                EMBED_NAME, ModelKind.EMBEDDING, lambda: _load_embedding(c, monitor, compute)
+            )
         )
     if c.lm_model != "none":
         specs.append(
-            RuntimeSpec(LM_NAME, ModelKind.GENERATIVE, lambda: _load_generative(c, monitor))
+            RuntimeSpec(
+                LM_NAME, ModelKind.GENERATIVE, lambda: _load_generative(c, monitor, compute)
+            )
         )
     return specs
 
@@ -73,7 +80,9 @@ def _device_and_dtype(c: ServiceConfig) -> tuple[torch.device, torch.dtype]:
     return device, pick_dtype(c.dtype, device)
 
 
-def _load_embedding(c: ServiceConfig, monitor: CompileMonitor) -> EmbeddingRuntime:
+def _load_embedding(
+    c: ServiceConfig, monitor: CompileMonitor, compute: ComputeThread
+) -> EmbeddingRuntime:
     device, dtype = _device_and_dtype(c)
     directory = resolve_embed_dir(c.embed_model)
     model = load_embedding(
@@ -81,12 +90,14 @@ def _load_embedding(c: ServiceConfig, monitor: CompileMonitor) -> EmbeddingRunti
     )
     model.warm_text()
     return EmbeddingRuntime(
-        model, display_name(c.embed_model, directory), c.max_queue, monitor,
+        model, display_name(c.embed_model, directory), c.max_queue, monitor, compute,
         batch_wait_s=c.embed_batch_wait_ms / 1000,
     )  # fmt: skip
 
 
-def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRuntime:
+def _load_generative(
+    c: ServiceConfig, monitor: CompileMonitor, compute: ComputeThread
+) -> GenerativeRuntime:
     device, dtype = _device_and_dtype(c)
     limits = GenLimits(
         c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
@@ -115,4 +126,5 @@ def _load_generative(c: ServiceConfig, monitor: CompileMonitor) -> GenerativeRun
         policy,
         c.max_queue,
         monitor,
+        compute,
     )

@@ -1,7 +1,7 @@
 """The model runtime interface: what the engine needs of each loaded model.
 
-A runtime owns one model, its worker thread, the shape buckets it batches into and
-the set of those already compiled. The engine routes requests and warmup steps to
+A runtime owns one model, its inbox and turn on the compute thread, the shape buckets it
+batches into and the set of those already compiled. The engine routes requests and warmup steps to
 runtimes by name and knows nothing else about them: a new kind of model is a new
 runtime (one file) and a line in the factory.
 """
@@ -17,8 +17,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 
 from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.types import RuntimeInfo
-from inference_svc.engine.worker import ModelWorker
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -104,17 +104,15 @@ class ModelRuntime(Protocol):
 
 
 class RuntimeBase:
-    """What every runtime shares: its name, display name, worker thread, compiled set, and
+    """What every runtime shares: its name, display name, inbox, compiled set, and
     a text thread: tokenizing a request runs there, never on the event loop (a long text
     would stall every other call, health checks included), one at a time (a tokenizer is
     not meant to be called from two threads at once)."""
 
-    def __init__(
-        self, name: str, display_name: str, worker: ModelWorker, monitor: CompileMonitor
-    ) -> None:
+    def __init__(self, name: str, display_name: str, inbox: Inbox, monitor: CompileMonitor) -> None:
         self._name = name
         self.display_name = display_name
-        self.worker = worker
+        self.inbox = inbox
         self.monitor = monitor
         self._compiled: set[Bucket] = set()
         # Where its compiled graphs came from: "loaded", "compiled" or "" (engine/artifacts.py).
@@ -139,5 +137,6 @@ class RuntimeBase:
         return None
 
     def close(self) -> None:
-        self.worker.stop()
-        self._text.shutdown(wait=False, cancel_futures=True)
+        self.inbox.stop()
+        # Not cancelled: what the output stage still has to send (a stop's answers) is sent.
+        self._text.shutdown(wait=False)

@@ -14,8 +14,8 @@ import torch
 
 from inference_api.plan import Bucket, CompilationMode, LogprobsMode, Phase, SamplerPath, StepKind
 from inference_svc.compile_monitor import CompileMonitor
-from inference_svc.engine.generation import random_logits, request_generator, sampling_metadata
 from inference_svc.engine.memory import available_bytes, peak_during
+from inference_svc.engine.runner import random_logits, request_generator, sampling_metadata
 from inference_svc.engine.runtime import StepReport, timed
 from inference_svc.engine.types import GenerateParams
 from inference_svc.errors import ResourceExhausted

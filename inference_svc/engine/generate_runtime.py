@@ -1,4 +1,5 @@
-"""The generative runtime: Generate requests through the batching worker, and the warmup
+"""The generative runtime: Generate requests through the continuous-batching loop
+(scheduler, runner, output stage), and the warmup
 of a causal LM (PROFILE sizes its KV cache, COMPILE its prefill and decode buckets,
 SAMPLER every sampler path)."""
 
@@ -24,10 +25,15 @@ from inference_api.plan import (
 )
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine import warmup
-from inference_svc.engine.generation import GenerateWorker, GenJob
+from inference_svc.engine.compute import ComputeThread
+from inference_svc.engine.generate_loop import GenerateLoop
+from inference_svc.engine.inbox import Inbox
+from inference_svc.engine.output import OutputStage
+from inference_svc.engine.runner import GenerateRunner
 from inference_svc.engine.runtime import RuntimeBase, StepReport
+from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
-from inference_svc.errors import FailedPrecondition
+from inference_svc.errors import FailedPrecondition, InvalidArgument
 from inference_svc.limits import GenLimits
 from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import Sampler
@@ -40,7 +46,7 @@ class KvCachePolicy:
 
 
 class GenerativeRuntime(RuntimeBase):
-    """A causal LM behind its worker thread (implements ModelRuntime)."""
+    """A causal LM behind its scheduler, runner and output stage (implements ModelRuntime)."""
 
     kind = ModelKind.GENERATIVE
 
@@ -52,10 +58,15 @@ class GenerativeRuntime(RuntimeBase):
         kv_cache: KvCachePolicy,
         max_queue: int,
         monitor: CompileMonitor,
+        compute: ComputeThread,
     ) -> None:
+        inbox: Inbox[Sequence] = Inbox(model.name, max_queue, compute)
+        super().__init__(model.name, display_name, inbox, monitor)
         self.sampler = Sampler(model.name, model.mode, monitor)
-        self.worker: GenerateWorker = GenerateWorker(model, self.sampler, logprobs_mode, max_queue)
-        super().__init__(model.name, display_name, self.worker, monitor)
+        self.runner = GenerateRunner(model, self.sampler, logprobs_mode)
+        self.scheduler = Scheduler(model.limits.prefill_chunk, model.eos_ids)
+        output = OutputStage(self._text, model.detokenize, model.token_text)
+        self.loop = GenerateLoop(model.name, inbox, self.scheduler, self.runner, output)
         self.model = model
         self.logprobs_mode = logprobs_mode
         self.kv_cache = kv_cache
@@ -90,7 +101,7 @@ class GenerativeRuntime(RuntimeBase):
 
     async def warm(self, step: Step) -> StepReport:
         run = self._step(step)
-        return await asyncio.wrap_future(self.worker.call(run))
+        return await asyncio.wrap_future(self.inbox.call(run))
 
     def _step(self, step: Step) -> Callable[[], StepReport]:
         m, mon = self.model, self.monitor
@@ -132,11 +143,11 @@ class GenerativeRuntime(RuntimeBase):
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenChunk]:
         """The chunks of one request, as its rows decode; the row is freed when the
         caller stops iterating (a cancelled or finished call)."""
-        ids = await self.on_text_thread(self.worker.prepare, params)
+        ids = await self.on_text_thread(self._prepare, params)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[GenChunk | BaseException] = asyncio.Queue()
-        job = GenJob(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        self.worker.submit(job)
+        job = Sequence(ids, params, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        self.inbox.submit(job)
         try:
             while True:
                 event = await events.get()
@@ -147,6 +158,20 @@ class GenerativeRuntime(RuntimeBase):
                     return
         finally:
             job.cancelled.set()
+
+    def _prepare(self, params: GenerateParams) -> list[int]:
+        """Tokenize the prompt and check its length; raises InvalidArgument."""
+        m = self.model
+        messages = [{"role": r, "content": c} for r, c in params.messages]
+        ids = m.encode(params.prompt, messages)
+        if not ids:
+            raise InvalidArgument("prompt: no tokens after tokenization")
+        if len(ids) > m.limits.max_input_tokens:
+            raise InvalidArgument(
+                f"prompt: {len(ids)} tokens; the limit is {m.limits.max_input_tokens} "
+                "(--max-input-tokens)"
+            )
+        return ids
 
     def info(self) -> RuntimeInfo:
         m = self.model

@@ -1,0 +1,179 @@
+"""The embedding runtime: Embed requests tokenized, batched into padded buckets, pooled;
+and the warmup of an embedding model (COMPILE only: it has no KV cache and no sampler)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from inference_api.plan import Bucket, ModelKind, ModelProfile, Step, StepKind
+from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.engine import warmup
+from inference_svc.engine.batcher import Batcher
+from inference_svc.engine.compute import ComputeThread
+from inference_svc.engine.inbox import Inbox
+from inference_svc.engine.runtime import RuntimeBase, StepReport
+from inference_svc.engine.types import EmbedParams, EmbedResult, RuntimeInfo
+from inference_svc.errors import InvalidArgument
+from inference_svc.limits import EmbedLimits
+from inference_svc.models.compile import bucket_for
+from inference_svc.models.embedding import EmbeddingModel
+
+WARM_PARAMS = EmbedParams(("warm up the request path",), True, False, 0)
+
+
+@dataclass
+class EmbedJob:
+    ids: list[list[int]]
+    params: EmbedParams
+    future: Future[EmbedResult] = field(default_factory=Future)
+
+
+def prepare(m: EmbeddingModel, params: EmbedParams) -> EmbedJob:
+    """Tokenize and check the limits; raises InvalidArgument."""
+    ids = m.tokenize(list(params.inputs))
+    for i, row in enumerate(ids):
+        if len(row) <= m.max_input_tokens:
+            continue
+        if not params.truncate:
+            raise InvalidArgument(
+                f"inputs[{i}]: {len(row)} tokens; the limit is {m.max_input_tokens} "
+                "(set truncate=true to cut longer inputs)"
+            )
+        ids[i] = m.truncate(row)
+    return EmbedJob(ids, params)
+
+
+def run_batch(m: EmbeddingModel, jobs: list[EmbedJob]) -> None:
+    """Pad the jobs' rows to a bucket, run the model, answer each job with its vectors."""
+    # A job whose caller gave up (cancelled, deadline) is dropped here; the others are
+    # marked running, so no later cancel can race with their result.
+    jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+    if not jobs:
+        return
+    rows = [r for job in jobs for r in job.ids]
+    batch = bucket_for(len(rows), m.batch_buckets)
+    length = bucket_for(max(2, *(len(r) for r in rows)), m.length_buckets)
+    ids = torch.full((batch, length), m.pad_id, dtype=torch.long)
+    mask = torch.zeros(batch, length, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+    mask[len(rows) :, 0] = 1  # pad rows: one visible token, never read back
+    pooled = m.forward(ids, mask)
+    start = 0
+    for job in jobs:
+        vecs = pooled[start : start + len(job.ids)]
+        start += len(job.ids)
+        if job.params.dimensions:
+            vecs = vecs[:, : job.params.dimensions]
+        if job.params.normalize:
+            vecs = F.normalize(vecs, p=2, dim=-1)
+        tokens = sum(len(r) for r in job.ids)
+        job.future.set_result(EmbedResult(vecs.tolist(), tokens))
+
+
+def fail(job: EmbedJob, exc: BaseException) -> None:
+    if not job.future.done():
+        job.future.set_exception(exc)
+
+
+class EmbeddingRuntime(RuntimeBase):
+    """An embedding model behind its batcher (implements ModelRuntime)."""
+
+    kind = ModelKind.EMBEDDING
+
+    def __init__(
+        self,
+        model: EmbeddingModel,
+        display_name: str,
+        max_queue: int,
+        monitor: CompileMonitor,
+        compute: ComputeThread,
+        batch_wait_s: float = 0.0,
+    ) -> None:
+        inbox: Inbox[EmbedJob] = Inbox(model.name, max_queue, compute)
+        super().__init__(model.name, display_name, inbox, monitor)
+        self.model = model
+        self.batcher = Batcher(
+            model.name, inbox, functools.partial(run_batch, model), fail,
+            capacity=model.max_batch, rows_of=lambda job: len(job.ids), batch_wait_s=batch_wait_s,
+        )  # fmt: skip
+        self.limits = EmbedLimits(model.max_batch, model.max_input_tokens, model.dimensions)
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        return 0
+
+    def buckets(self) -> tuple[Bucket, ...]:
+        return warmup.embed_buckets(self.model)
+
+    async def touch(self) -> None:
+        """A request's whole path: tokenized on the text thread, run on the compute thread."""
+        job = await self.on_text_thread(self._prepare, WARM_PARAMS)
+        await asyncio.wrap_future(self.inbox.call(lambda: run_batch(self.model, [job])))
+        job.future.result()
+
+    def _prepare(self, params: EmbedParams) -> EmbedJob:
+        return prepare(self.model, params)
+
+    def _warm_request(self) -> None:
+        """One request through the whole path (tokenize, batch, forward, normalise),
+        run on this thread by the warmup: nothing of it is left for a client to run first."""
+        job = prepare(self.model, WARM_PARAMS)
+        run_batch(self.model, [job])
+        job.future.result()
+
+    def profile(self) -> ModelProfile:
+        m = self.model
+        return ModelProfile(
+            self.name, self.kind, False, False, m.mode, buckets=self.buckets(),
+            numerics=m.numerics, artifacts=self.artifacts,
+        )  # fmt: skip
+
+    async def warm(self, step: Step) -> StepReport:
+        if step.kind is not StepKind.COMPILE:
+            why = "no KV cache" if step.kind is StepKind.PROFILE else "no sampler"
+            return StepReport.skip(self.name, step.kind, f"embedding model: {why}: nothing to warm")
+        m = self.model
+
+        def compile_all() -> StepReport:
+            return warmup.compile_buckets(
+                self.name,
+                m.mode,
+                self.buckets(),
+                self._compiled,
+                lambda b, gen: m.dummy_run(b.batch_size, b.seq_len, gen),
+                self.monitor,
+                after=self._warm_request,
+                artifacts=self.artifacts,
+            )
+
+        return await asyncio.wrap_future(self.inbox.call(compile_all))
+
+    async def embed(self, params: EmbedParams) -> EmbedResult:
+        job = await self.on_text_thread(self._prepare, params)
+        self.inbox.submit(job)
+        return await asyncio.wrap_future(job.future)
+
+    def info(self) -> RuntimeInfo:
+        m = self.model
+        return RuntimeInfo(
+            name=self.display_name,
+            kind=self.kind,
+            dimensions=m.dimensions,
+            max_input_tokens=m.max_input_tokens,
+            max_batch_size=m.max_batch,
+            max_new_tokens=0,
+            has_kv_cache=False,
+            vocab_size=m.vocab_size,
+            dtype=m.numerics,
+            device=str(m.device),
+            compilation_mode=m.mode,
+            late_compile_events=self.monitor.late_by_model[self.name],
+        )
