@@ -7,18 +7,23 @@ Embed: cosine between the option's and float32's embedding of each reference tex
 
     python bench/accuracy.py                 # eager options
     python bench/accuracy.py --compiled      # the same through the compiled graphs
+    python bench/accuracy.py --quick --embed-model DIR --lm-model DIR   # smoke run: 3 prompts,
+                                             4 tokens, results in a temp dir
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_quick_flags, results_dir
 from inference_api.plan import CompilationMode
 from inference_svc.compile_monitor import CompileMonitor, Origin
 from inference_svc.limits import GenLimits
@@ -55,13 +60,14 @@ TEXTS = (
 # (--dtype, --lm-weights) against float32 with its own weights
 LM_OPTIONS = (("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"))
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-RESULTS = Path(__file__).parent / "results" / "accuracy.json"
 
 
-def load_lm(dtype: str, weights: str, mode: CompilationMode) -> GenerativeModel:
+def load_lm(
+    dtype: str, weights: str, mode: CompilationMode, model_spec: str = "default"
+) -> GenerativeModel:
     limits = GenLimits(max_batch=2, max_input_tokens=128, max_new_tokens=128, prefill_chunk=64)
     model = load_generative(
-        "lm", resolve_lm_dir("default"), limits, mode, CompileMonitor(), torch.device("cpu"),
+        "lm", resolve_lm_dir(model_spec), limits, mode, CompileMonitor(), torch.device("cpu"),
         DTYPES[dtype], Path("~/.cache/inference-svc/models").expanduser(), weights,
     )  # fmt: skip
     model.allocate_cache(2 * limits.max_seq_len)
@@ -111,9 +117,9 @@ def lm_agreement(
     return same / total
 
 
-def load_embed(dtype: str, mode: CompilationMode) -> EmbeddingModel:
+def load_embed(dtype: str, mode: CompilationMode, model_spec: str = "default") -> EmbeddingModel:
     return load_embedding(
-        "e", resolve_embed_dir("default"), 16, mode, CompileMonitor(), torch.device("cpu"),
+        "e", resolve_embed_dir(model_spec), 16, mode, CompileMonitor(), torch.device("cpu"),
         DTYPES[dtype],
     )  # fmt: skip
 
@@ -137,28 +143,34 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--compiled", action="store_true", help="options through compiled graphs")
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    add_quick_flags(p)
     a = p.parse_args()
+    prompts, lm, em = PROMPTS, a.lm_model or "default", a.embed_model or "default"
+    if a.quick:
+        prompts, a.tokens = PROMPTS[:3], 4
     mode = CompilationMode.DEFAULT if a.compiled else CompilationMode.NONE
     results: dict[str, dict] = {}
-    ref = load_lm("float32", "same", CompilationMode.NONE)
+    ref = load_lm("float32", "same", CompilationMode.NONE, lm)
     arms = [("float32", "same")] * a.compiled + list(LM_OPTIONS)
     for dtype, weights in arms:
         t0 = time.time()
-        option = load_lm(dtype, weights, mode)
-        agree = lm_agreement(ref, option, PROMPTS, a.tokens)
+        option = load_lm(dtype, weights, mode, lm)
+        agree = lm_agreement(ref, option, prompts, a.tokens)
         name = option.numerics
         results[f"generate {name} {mode.value}"] = {"top1_agreement": agree}
         print(f"Generate {name:>15} ({mode.value}): top-1 agreement {agree:.4f} "
               f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
-    eref = load_embed("float32", CompilationMode.NONE)
+    eref = load_embed("float32", CompilationMode.NONE, em)
     for dtype in ("float32", "bfloat16")[1 - a.compiled :]:
-        cos = embed_cosines(eref, load_embed(dtype, mode))
+        cos = embed_cosines(eref, load_embed(dtype, mode, em))
         results[f"embed {dtype} {mode.value}"] = {"cosine_min": min(cos),
                                                    "cosine_mean": sum(cos) / len(cos)}  # fmt: skip
         print(f"Embed {dtype:>17} ({mode.value}): cosine min {min(cos):.5f} "
               f"mean {sum(cos) / len(cos):.5f}", flush=True)  # fmt: skip
-    old = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    RESULTS.write_text(json.dumps({**old, **results}, indent=1) + "\n")
+    out = results_dir(a) / "accuracy.json"
+    old = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps({**old, **results}, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ inference_batches metric). A lone client must not lose; 32 clients should gain.
 
   .venv/bin/python bench/batch_wait.py [--modes none,default] [--dtype bfloat16]
       [--waits 0,20] [--seconds 10] [--freeze-weights on]
+  .venv/bin/python bench/batch_wait.py --quick --embed-model DIR   # smoke run: mode none,
+      1 s per point, results in a temp dir
 
 A benchmark, not a test: it prints figures (and bench/results/batch_wait.json), asserts
 nothing.
@@ -25,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_quick_flags, model_args, results_dir  # noqa: E402
 from bench.compiled import commit  # noqa: E402
 from bench.embed_load import clients  # noqa: E402
-from bench.service import running_service  # noqa: E402
+from harness.procs import running_service  # noqa: E402
 
 BATCHES = re.compile(r'inference_batches_total\{model="embedding",rows="(\d+)"\} (\S+)')
 
@@ -41,7 +44,7 @@ def batches(metrics_port: int) -> tuple[float, float]:
 
 
 def arm(mode: str, wait: str, a: argparse.Namespace) -> dict:
-    args = ["--lm-model", "none", "--compilation-mode", mode, "--dtype", a.dtype,
+    args = [*model_args(a), "--lm-model", "none", "--compilation-mode", mode, "--dtype", a.dtype,
             "--embed-batch-wait-ms", wait, "--metrics-port", "0"]  # fmt: skip
     if mode != "none":
         args += ["--freeze-weights", a.freeze_weights]
@@ -67,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--freeze-weights", choices=("off", "on"), default="on")
+    add_quick_flags(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.modes, a.seconds = "none", 1.0
     waits = a.waits.split(",")
     r: dict = {"commit": commit(), "dtype": a.dtype, "freeze_weights": a.freeze_weights}
     for mode in a.modes.split(","):
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = " / ".join(f"{x['rows_per_batch']:.1f}" for x in v)
             print(f"{mode:<10}{n:>8}" + "".join(f"{x['texts_s']:>12.1f}" for x in v)
                   + f"{v[-1]['texts_s'] / v[0]['texts_s']:>8.2f}{rows:>14}")  # fmt: skip
-    out = ROOT / "bench" / "results" / "batch_wait.json"
+    out = results_dir(a) / "batch_wait.json"
     out.write_text(json.dumps(r, indent=1))
     print(f"\nwrote {out}")
     return 0

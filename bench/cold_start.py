@@ -20,6 +20,8 @@ service's 'late compile after SERVING' lines.
   .venv/bin/python bench/cold_start.py --out /tmp/bench.md
   .venv/bin/python bench/cold_start.py --arms none sidecar --repeats 5 -- --gen-max-batch 2
   .venv/bin/python bench/cold_start.py --arms sidecar none restart none restart none restart
+  .venv/bin/python bench/cold_start.py --quick --embed-model DIR --lm-model DIR  # smoke run:
+      the none and no-sidecar arms, both uncompiled; 2 repeats, no idle gap, 4 tokens
 
 An arm named again starts again; the start-to-SERVING ratios use each arm's median.
 
@@ -32,7 +34,6 @@ A benchmark, not a test: it asserts nothing. A compiled arm takes minutes on a s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
@@ -50,18 +51,18 @@ from pathlib import Path
 from types import FrameType
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from inference_api.stubs.inference.v1 import admin_pb2 as apb
-from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
-from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from inference_svc.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import add_quick_flags, model_args  # noqa: E402
+from harness.procs import POLL_S, Proc, ServiceProc, sidecar, wait_serving  # noqa: E402
+from inference_api.stubs.inference.v1 import admin_pb2 as apb  # noqa: E402
+from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc  # noqa: E402
+from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
+from inference_svc.config import parse_config  # noqa: E402
+
 ARMS = ("sidecar", "restart", "no-sidecar", "none")
-HEALTH_NAME = "inference.v1.Inference"
-POLL = 0.2  # seconds between health checks
 RPC_TIMEOUT = 3600.0  # a cold request compiles several graphs: minutes on 2 cores
 EMBED_TEXT = "The quick brown fox jumps over the lazy dog."
 PROMPT = "Once upon a time, in a small village by the sea,"
@@ -89,38 +90,6 @@ class ArmResult:
     late_lines: list[str] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
     error: str | None = None
-
-
-class Child:
-    """A child process, its output in a log file; stopped with SIGTERM, then SIGKILL."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        self._out = log.open("w")
-        # Its own session: a Ctrl-C reaches only the benchmark, which stops children in order.
-        self.popen = subprocess.Popen(
-            argv, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def exited(self) -> int | None:
-        return self.popen.poll()
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def tail(self, n: int = 15) -> str:
-        return "\n".join(self.text().splitlines()[-n:])
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._out.close()
 
 
 def serve_ungated(argv: list[str]) -> int:
@@ -171,44 +140,15 @@ def timed(call: Callable[[], object], gap: float) -> float:
     return time.perf_counter() - start
 
 
-def wait_ports(svc: Child, port_file: Path, timeout: float = 300.0) -> tuple[int, int]:
-    deadline = time.monotonic() + timeout
-    while not port_file.exists():
-        if svc.exited() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"inference-svc did not listen:\n{svc.tail()}")
-        time.sleep(0.1)
-    ports = json.loads(port_file.read_text())
-    return int(ports["port"]), int(ports["admin_port"])
-
-
-def mark_at_once(admin: admin_pb2_grpc.WarmupAdminStub, svc: Child, timeout: float) -> None:
+def mark_at_once(admin: admin_pb2_grpc.WarmupAdminStub, svc: Proc, timeout: float) -> None:
     """Reseed and MarkServing as soon as Describe says the models have loaded."""
     deadline = time.monotonic() + timeout
     while not admin.Describe(apb.DescribeRequest(), timeout=10).models_loaded:
         if svc.exited() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"models did not load:\n{svc.tail()}")
-        time.sleep(POLL)
+        time.sleep(POLL_S)
     admin.Reseed(apb.ReseedRequest(), timeout=10)
     admin.MarkServing(apb.MarkServingRequest(), timeout=10)
-
-
-def wait_serving(
-    health: health_pb2_grpc.HealthStub, svc: Child, ctl: Child | None, timeout: float
-) -> None:
-    deadline = time.monotonic() + timeout
-    req = health_pb2.HealthCheckRequest(service=HEALTH_NAME)
-    while time.monotonic() < deadline:
-        try:
-            if health.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass  # not answering yet
-        if svc.exited() is not None:
-            raise RuntimeError(f"inference-svc exited {svc.exited()}:\n{svc.tail()}")
-        if ctl is not None and ctl.exited() not in (None, 0):
-            raise RuntimeError(f"warmup-ctl exited {ctl.exited()}:\n{ctl.tail()}")
-        time.sleep(POLL)
-    raise RuntimeError(f"not SERVING after {timeout:.0f} s")
 
 
 def late_compile_lines(log: str) -> list[str]:
@@ -217,58 +157,56 @@ def late_compile_lines(log: str) -> list[str]:
     return [f"{n} x {cause}" for cause, n in Counter(found).items()]
 
 
+def start_arm(
+    result: ArmResult,
+    opts: argparse.Namespace,
+    extra: list[str],
+    log_dir: Path,
+    tag: str,
+    stack: ExitStack,
+) -> tuple[ServiceProc, Proc | None]:
+    """The arm's service, and its sidecar (None for no-sidecar, marked SERVING at once);
+    both stop when ``stack`` closes, the sidecar first."""
+    arm = result.arm
+    cache = opts.warm_cache or stack.enter_context(
+        tempfile.TemporaryDirectory(prefix=f"inductor-{arm}-")
+    )
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(cache)}
+    mode = "none" if arm == "none" else opts.compiled_mode
+    svc_args = [*extra, "--compilation-mode", mode]
+    if arm in ("sidecar", "restart"):
+        svc_args += ["--compile-cache-dir", str(opts.compile_cache)]
+    else:  # nothing kept: every compile of the no-sidecar arm lands on a request
+        svc_args += ["--compile-cache-dir", ""]
+    program = None
+    if arm == "no-sidecar":
+        program = [sys.executable, str(Path(__file__).resolve()), "--serve-ungated"]
+        svc_args += kv_cache_args(extra)
+    print(f"\n== {arm}: {shlex.join([*(program or ['inference-svc']), *svc_args])}", flush=True)
+    # Its own session: a Ctrl-C reaches only the benchmark, which stops children in order.
+    svc = ServiceProc(log_dir, svc_args, f"{tag}.svc", program, env, own_session=True)
+    result.logs.append(svc.log)
+    stack.callback(svc.stop)  # callbacks run last-in first-out: the sidecar stops first
+    if arm == "no-sidecar":
+        admin_channel = stack.enter_context(grpc.insecure_channel(svc.admin_target))
+        mark_at_once(admin_pb2_grpc.WarmupAdminStub(admin_channel), svc, opts.timeout)
+        return svc, None
+    ctl_args = ["--once", *shlex.split(opts.ctl_args)]
+    ctl = sidecar(log_dir, svc, *ctl_args, name=f"{tag}.ctl", env=env, own_session=True)
+    result.logs.append(ctl.log)
+    stack.callback(ctl.stop)
+    return svc, ctl
+
+
 def run_arm(
     result: ArmResult, opts: argparse.Namespace, extra: list[str], log_dir: Path, tag: str
 ) -> None:
     """Runs one arm, filling ``result`` as it goes (a failure keeps what was measured);
     ``tag`` names its log files (the arm, numbered when --arms repeats it)."""
-    arm = result.arm
     result.commit = git_commit()
-    mode = "none" if arm == "none" else opts.compiled_mode
     with ExitStack() as stack:
-        cache = opts.warm_cache or stack.enter_context(
-            tempfile.TemporaryDirectory(prefix=f"inductor-{arm}-")
-        )
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-            "TORCHINDUCTOR_CACHE_DIR": str(cache),
-        }
-        port_file = log_dir / f"{tag}.ports.json"
-        port_file.unlink(missing_ok=True)
-        svc_args = [*extra, "--port", "0", "--admin-port", "0", "--port-file", str(port_file)]
-        svc_args += ["--compilation-mode", mode]
-        if arm in ("sidecar", "restart"):
-            svc_args += ["--compile-cache-dir", str(opts.compile_cache)]
-        else:  # nothing kept: every compile of the no-sidecar arm lands on a request
-            svc_args += ["--compile-cache-dir", ""]
-        if arm == "no-sidecar":
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-ungated"]
-            svc_args += kv_cache_args(extra)
-        else:
-            cmd = [str(BIN / "inference-svc")]
-        print(f"\n== {arm}: {shlex.join(cmd + svc_args)}", flush=True)
-        started = time.monotonic()
-        svc = Child(cmd + svc_args, log_dir / f"{tag}.svc.log", env)
-        result.logs.append(svc.log)
-        stack.callback(svc.stop)  # callbacks run last-in first-out: the sidecar stops first
-        port, admin_port = wait_ports(svc, port_file)
-        channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{port}"))
-        health = health_pb2_grpc.HealthStub(channel)
-        inference = inference_pb2_grpc.InferenceStub(channel)
-        ctl = None
-        if arm == "no-sidecar":
-            admin_channel = stack.enter_context(grpc.insecure_channel(f"127.0.0.1:{admin_port}"))
-            mark_at_once(admin_pb2_grpc.WarmupAdminStub(admin_channel), svc, opts.timeout)
-        else:
-            ctl_argv = [str(BIN / "warmup-ctl"), "--admin", f"127.0.0.1:{admin_port}"]
-            ctl_argv += ["--public", f"127.0.0.1:{port}", "--once", *shlex.split(opts.ctl_args)]
-            ctl = Child(ctl_argv, log_dir / f"{tag}.ctl.log", env)
-            result.logs.append(ctl.log)
-            stack.callback(ctl.stop)
-        wait_serving(health, svc, ctl, opts.timeout)
-        result.to_serving = time.monotonic() - started
+        svc, ctl = start_arm(result, opts, extra, log_dir, tag, stack)
+        result.to_serving = wait_serving(svc, opts.timeout, ctl)
         print(f"   SERVING after {result.to_serving:.1f} s", flush=True)
         # `warmup-ctl --once` exits right after SERVING; its exit (tens of ms of CPU on a
         # 2-core machine) would land on the first request and be counted as the service's.
@@ -277,6 +215,8 @@ def run_arm(
             time.sleep(0.05)
         for m in re.finditer(r"loaded model (\S+) in ([\d.]+) s", svc.text()):
             result.load[m[1]] = float(m[2])
+        channel = stack.enter_context(grpc.insecure_channel(svc.target))
+        inference = inference_pb2_grpc.InferenceStub(channel)
         for name, call in request_paths(opts.max_tokens).items():
             first = timed(lambda c=call: c(inference), opts.gap)
             steady = statistics.median(
@@ -394,7 +334,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--timeout", type=float, default=3600.0, help="seconds to SERVING, per arm")
     add("--log-dir", type=Path, help="where the logs go (default: a new temp dir)")
     add("--out", type=Path, help="also write the markdown tables here")
+    add_quick_flags(p)  # --results: the log dir, unless --log-dir
     opts = p.parse_args(ours)
+    if opts.quick:
+        # the none arm, and no-sidecar uncompiled: the ungated path without minutes of compiles
+        opts.arms, opts.compiled_mode = ["none", "no-sidecar"], "none"
+        opts.repeats, opts.gap, opts.max_tokens = 2, 0.0, 4
+    extra = [*model_args(opts), *extra]  # after --: those win
     if opts.arms.count("sidecar") > 1:
         p.error("sidecar is a cold start: it runs once (what it keeps makes a later one a restart)")
     if opts.repeats < 1 or opts.max_tokens < 1:
@@ -418,7 +364,7 @@ def main(argv: list[str]) -> int:
     opts, extra = parse_args(argv)
     for sig in (signal.SIGINT, signal.SIGTERM):  # either stops the children cleanly
         signal.signal(sig, _raise_interrupt)
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="cold_start-"))
+    log_dir = opts.log_dir or opts.results or Path(tempfile.mkdtemp(prefix="cold_start-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {log_dir}", flush=True)
     opts.compile_cache = opts.compile_cache or log_dir / "compile-cache"

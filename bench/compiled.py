@@ -18,6 +18,8 @@ compiled.png. bench/accuracy.py measures what each option costs in accuracy.
       [--options bf16-linear] (only these numerics options)
       [--name compiled-autotune] (results in bench/results/NAME.*; c/e is the last mode
                                against the first, e.g. --modes none,default,max-autotune)
+      [--quick --embed-model DIR --lm-model DIR] (smoke run: mode none, float32, 1 s
+                               per Embed point, 8 tokens, no peers, results in a temp dir)
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -37,13 +39,13 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import add_quick_flags, model_args, results_dir, save_plot  # noqa: E402
 from bench.embed_load import clients, sentence_transformers_batch  # noqa: E402
-from bench.service import running_service, save_plot  # noqa: E402
 from bench.throughput import concurrency, cpu_threads, llama_cpp_arm, stream  # noqa: E402
+from harness.procs import running_service  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 EMBED_OPTIONS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"]}
 LM_OPTIONS = {"float32": [], "bf16-linear": ["--lm-weights", "bfloat16"],
               "int4-linear": ["--lm-weights", "int4"]}  # fmt: skip
@@ -53,8 +55,11 @@ def _freeze(mode: str, freeze: str) -> list[str]:
     return ["--freeze-weights", freeze] if mode != "none" else []
 
 
-def embed_arm(mode: str, option: str, seconds: float, freeze: str = "off") -> dict:
-    args = ["--lm-model", "none", "--compilation-mode", mode, *EMBED_OPTIONS[option]]
+def embed_arm(
+    mode: str, option: str, seconds: float, freeze: str = "off", models: list[str] | None = None
+) -> dict:
+    args = [*(models or []), "--lm-model", "none", "--compilation-mode", mode]
+    args += EMBED_OPTIONS[option]
     args += _freeze(mode, freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
         out = {"warm_s": svc.warm_s}
@@ -75,8 +80,11 @@ def late_compiles(target: str) -> int:
     return info.late_compile_events
 
 
-def generate_arm(mode: str, option: str, tokens: int, freeze: str = "off") -> dict:
-    args = ["--embed-model", "none", "--compilation-mode", mode, *LM_OPTIONS[option]]
+def generate_arm(
+    mode: str, option: str, tokens: int, freeze: str = "off", models: list[str] | None = None
+) -> dict:
+    args = [*(models or []), "--embed-model", "none", "--compilation-mode", mode]
+    args += LM_OPTIONS[option]
     args += _freeze(mode, freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
 
@@ -125,7 +133,7 @@ def report(r: dict) -> None:
     modes = r["modes"]
     print("\nEmbed, texts/s (one short text per call)")
     table(r, "embed", EMBED_OPTIONS, "clients", (1, 32), "texts_s")
-    print("\nGenerate, tokens/s (greedy, 64 new tokens per stream)"
+    print(f"\nGenerate, tokens/s (greedy, {r.get('tokens', 64)} new tokens per stream)"
           + (f" (from {r['generate_from']})" if r.get("generate_from") else ""))  # fmt: skip
     table(r, "generate", LM_OPTIONS, "streams", (1, 8), "tok_s")
     st, llama = r.get("sentence_transformers_b32"), r.get("llama_cpp_1")
@@ -185,16 +193,20 @@ def main(argv: list[str] | None = None) -> int:
         "--freeze-weights", choices=("off", "on"), default="off",
         help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
     )  # fmt: skip
+    add_quick_flags(p)
     a = p.parse_args(argv)
+    if a.quick:
+        a.modes, a.seconds, a.tokens, a.no_peers, a.options = "none", 1.0, 8, True, "float32"
     stem = a.name or ("compiled" if a.freeze_weights == "off" else "compiled-frozen")
-    path = RESULTS / f"{stem}.json"
+    out, models = results_dir(a), model_args(a)
+    path = out / f"{stem}.json"
     if a.replot:
         r = json.loads(path.read_text())
     else:
         modes, kinds = a.modes.split(","), a.kinds.split(",")
         r = {"modes": modes, "threads": cpu_threads(), "embed": {}, "generate": {}}
+        r["tokens"] = a.tokens
         r["freeze_weights"], r["commit"] = a.freeze_weights, commit()
-        RESULTS.mkdir(parents=True, exist_ok=True)
         if "generate" not in kinds and path.exists():  # keep the last run's Generate figures
             last = json.loads(path.read_text())
             r["generate"], r["llama_cpp_1"] = last["generate"], last.get("llama_cpp_1")
@@ -208,17 +220,17 @@ def main(argv: list[str] | None = None) -> int:
         for option in [o for o in EMBED_OPTIONS if o in wanted] if "embed" in kinds else ():
             for mode in modes:
                 r["embed"][f"{mode} {option}"] = embed_arm(
-                    mode, option, a.seconds, a.freeze_weights
+                    mode, option, a.seconds, a.freeze_weights, models
                 )
                 path.write_text(json.dumps(r, indent=1))
         for option in [o for o in LM_OPTIONS if o in wanted] if "generate" in kinds else ():
             for mode in modes:
                 r["generate"][f"{mode} {option}"] = generate_arm(
-                    mode, option, a.tokens, a.freeze_weights
+                    mode, option, a.tokens, a.freeze_weights, models
                 )
                 path.write_text(json.dumps(r, indent=1))
     report(r)
-    save_plot(plot, r, RESULTS / f"{stem}.png")
+    save_plot(plot, r, out / f"{stem}.png")
     return 0
 
 

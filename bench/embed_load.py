@@ -1,8 +1,10 @@
 """Embed load as clients make it: N concurrent gRPC clients, each one short text per call
 (closed loop), and the same texts in process through sentence-transformers at batch 32.
-Shared by bench/compiled.py; run alone against a running service:
+Shared by bench/compiled.py; run alone against a running service, or without --target
+on a service of its own (packaged models, or --embed-model DIR):
 
     python bench/embed_load.py --target 127.0.0.1:50051 --clients 32
+    python bench/embed_load.py --quick --embed-model DIR   # smoke run: 1 and 4 clients, 1 s
 """
 
 from __future__ import annotations
@@ -10,12 +12,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import grpc
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_quick_flags, model_args
+from harness.procs import running_service
 
 WORDS = [
     "quick",
@@ -88,14 +97,33 @@ def sentence_transformers_batch(batch: int = 32, seconds: float = 10.0) -> float
     return done / (time.perf_counter() - start)
 
 
-def main() -> None:
+def run(target: str, counts: list[int], seconds: float) -> None:
+    """The load of each client count in turn, one table row each."""
+    print("| clients | texts/s | p50 (ms) | p99 (ms) |\n|---:|---:|---:|---:|")
+    for n in counts:
+        r = asyncio.run(clients(target, n, seconds))
+        print(f"| {n} | {r['texts_s']:.1f} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True)
-    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--target", help="a running service (default: start one, --lm-model none)")
+    p.add_argument("--clients", default="32", help="client counts, e.g. 1,32")
     p.add_argument("--seconds", type=float, default=15.0)
-    a = p.parse_args()
-    print(asyncio.run(clients(a.target, a.clients, a.seconds)))
+    add_quick_flags(p)
+    a = p.parse_args(argv)
+    if a.quick:
+        a.clients, a.seconds = "1,4", 1.0
+    counts = [int(n) for n in a.clients.split(",")]
+    if a.target:
+        run(a.target, counts, a.seconds)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [*model_args(a), "--lm-model", "none"]
+        with running_service(args, Path(tmp)) as svc:
+            run(svc.target, counts, a.seconds)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

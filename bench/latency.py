@@ -10,6 +10,7 @@ For each: Embed of one short text (median latency) and greedy Generate (median t
 and the ratios against (2) and (3). Also the model load times from the service's log.
 
   .venv/bin/python bench/latency.py [--repeats 30] [--tokens 64] [--out FILE]
+  .venv/bin/python bench/latency.py --quick --embed-model DIR --lm-model DIR   # smoke run
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -35,7 +36,8 @@ from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.service import running_service  # noqa: E402
+from bench.common import add_quick_flags, model_args  # noqa: E402
+from harness.procs import running_service  # noqa: E402
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 PROMPT = "Write a long story about a lighthouse keeper and the sea."  # sent as a chat message
@@ -61,8 +63,8 @@ def tokens_per_s(fn: Callable[[], int], repeats: int) -> float:
     return statistics.median(rates)
 
 
-def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
-    with running_service([], tmp) as svc:
+def over_grpc(repeats: int, tokens: int, tmp: Path, models: list[str]) -> dict[str, float]:
+    with running_service(models, tmp) as svc:
         stub = inference_pb2_grpc.InferenceStub(grpc.insecure_channel(svc.target))
         embed = median_of(lambda: stub.Embed(pb.EmbedRequest(inputs=[TEXT])), repeats)
         chat = [pb.ChatMessage(role="user", content=PROMPT)]
@@ -76,18 +78,24 @@ def over_grpc(repeats: int, tokens: int, tmp: Path) -> dict[str, float]:
         return out
 
 
-def in_process(repeats: int, tokens: int) -> dict[str, float]:
-    from inference_api.plan import Step, StepKind
+def in_process(repeats: int, tokens: int, models: list[str]) -> dict[str, float]:
+    from inference_api.plan import StepKind
     from inference_svc.config import parse_config
     from inference_svc.engine.core import Engine
     from inference_svc.engine.types import EmbedParams, GenerateParams
 
-    engine = Engine(parse_config(["--port", "0", "--admin-port", "0"]))
+    engine = Engine(parse_config(["--port", "0", "--admin-port", "0", *models]))
     engine.load()
+
+    async def warm() -> None:  # what `warmup-ctl --once` does, in process
+        for step in engine.required_steps():
+            if step.kind not in (StepKind.RESEED, StepKind.MARK_SERVING):
+                await engine.warmup(step)
+        engine.reseed(None)
+        await engine.mark_serving()
+
     loop = asyncio.new_event_loop()
-    loop.run_until_complete(engine.warmup(Step(StepKind.PROFILE, "generative")))
-    engine.reseed(None)
-    engine.mark_serving()
+    loop.run_until_complete(warm())
     e_params = EmbedParams((TEXT,), True, False, 0)
     g_params = GenerateParams(prompt="", messages=(("user", PROMPT),), max_tokens=tokens)
 
@@ -104,12 +112,14 @@ def in_process(repeats: int, tokens: int) -> dict[str, float]:
     return {"embed_s": embed, "gen_tok_s": rate}
 
 
-def stock_transformers(repeats: int, tokens: int) -> dict[str, float]:
+def stock_transformers(
+    repeats: int, tokens: int, embed_model: str, lm_model: str
+) -> dict[str, float]:
     from transformers import AutoModel, AutoTokenizer
 
     from inference_svc.models.loading import load_hf_causal_lm, resolve_embed_dir, resolve_lm_dir
 
-    d = str(resolve_embed_dir("default"))
+    d = str(resolve_embed_dir(embed_model))
     tok, bert = AutoTokenizer.from_pretrained(d), AutoModel.from_pretrained(d).eval()
 
     @torch.inference_mode()
@@ -119,7 +129,7 @@ def stock_transformers(repeats: int, tokens: int) -> dict[str, float]:
         mask = batch["attention_mask"][..., None].float()
         return torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
 
-    lm, lm_tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
+    lm, lm_tok = load_hf_causal_lm(resolve_lm_dir(lm_model), torch.float32)
     chat = [{"role": "user", "content": PROMPT}]
     ids = lm_tok.apply_chat_template(chat, add_generation_prompt=True, return_tensors="pt")
     ids = ids["input_ids"] if hasattr(ids, "keys") else ids
@@ -140,12 +150,16 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=64, help="max_tokens of the Generate calls")
     ap.add_argument("--out", type=Path)
+    add_quick_flags(ap)
     a = ap.parse_args()
+    if a.quick:
+        a.repeats, a.tokens = 3, 8
     os.environ["HF_HUB_OFFLINE"] = "1"
+    models = model_args(a)
     with tempfile.TemporaryDirectory() as tmp:
-        g = over_grpc(a.repeats, a.tokens, Path(tmp))
-    e = in_process(a.repeats, a.tokens)
-    s = stock_transformers(a.repeats, a.tokens)
+        g = over_grpc(a.repeats, a.tokens, Path(tmp), models)
+    e = in_process(a.repeats, a.tokens, models)
+    s = stock_transformers(a.repeats, a.tokens, a.embed_model or "default", a.lm_model or "default")
     lines = [
         f"model load (service log): embedding {g.get('load_embedding_s', 0):.1f} s, "
         f"generative {g.get('load_generative_s', 0):.1f} s",

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/load.py                     # 64 clients, 120 s, mode none
     .venv/bin/python bench/load.py --clients 16 --seconds 60
+    .venv/bin/python bench/load.py --quick --embed-model DIR --lm-model DIR   # smoke run
 
 Starts inference-svc (packaged models) and warmup-ctl --once, then drives a mix from
 --clients concurrent clients until --seconds pass: Embed (40 %), Generate (30 %),
@@ -31,7 +32,8 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.service import running_service
+from bench.common import add_quick_flags, model_args
+from harness.procs import running_service
 
 TEXTS = ["The quick brown fox", "jumps over the lazy dog", "A KV cache holds keys and values"]
 CHAT = pb.GenerateRequest(
@@ -142,9 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=120.0)
     p.add_argument("--mode", default="none", help="the service's --compilation-mode")
+    add_quick_flags(p)
     args = p.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="load-"))
+    if args.quick:
+        args.clients, args.seconds = 4, 3.0
+    tmp = args.results or Path(tempfile.mkdtemp(prefix="load-"))  # the service's log
     args_svc = [
+        *model_args(args),
         "--metrics-port",
         "0",
         "--metrics-host",
@@ -155,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     with running_service(args_svc, tmp) as svc:
         ports = {"port": svc.port, "metrics_port": svc.metrics_port}
         asyncio.run(drive(args, ports, svc.pid))
-    print(f"service log: {tmp / 'svc.log'}")
+        log = svc.log
+    print(f"service log: {log}")
     return 0
 
 

@@ -17,6 +17,8 @@ streams, one line per system).
 
   .venv/bin/python bench/throughput.py [--modes none,default] [--streams 1,2,4,8,16]
                                        [--tokens 64] [--no-peers]
+  .venv/bin/python bench/throughput.py --quick --lm-model DIR   # smoke run: mode none,
+      1 and 2 streams, 8 tokens, transformers peer only, results in a temp dir
 
 A benchmark, not a test: it prints figures and asserts nothing.
 """
@@ -40,11 +42,11 @@ import grpc
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.service import running_service, save_plot  # noqa: E402
+from bench.common import add_quick_flags, model_args, results_dir, save_plot  # noqa: E402
+from harness.procs import running_service  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city at night",
           "an old map", "a dragon who cannot fly", "the last train", "a garden on Mars",
           "a clockmaker", "the silent sea", "a library of echoes", "a fox and a crow",
@@ -128,9 +130,9 @@ async def joins(stub: inference_pb2_grpc.InferenceStub, tokens: int) -> dict:
     }
 
 
-def service_arm(mode: str, streams: list[int], tokens: int) -> dict:
+def service_arm(mode: str, streams: list[int], tokens: int, models: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["--embed-model", "none", "--compilation-mode", mode]
+        args = [*models, "--embed-model", "none", "--compilation-mode", mode]
         with running_service(args, Path(tmp)) as svc:
             print(f"[{mode}] SERVING after {svc.warm_s:.0f} s", flush=True)
 
@@ -152,13 +154,13 @@ def cpu_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def transformers_arm(streams: list[int], tokens: int) -> dict:
+def transformers_arm(streams: list[int], tokens: int, lm_model: str = "default") -> dict:
     """Stock transformers: one batched greedy generate() of N prompts (left-padded)."""
     import torch
 
     from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
 
-    model, tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
+    model, tok = load_hf_causal_lm(resolve_lm_dir(lm_model), torch.float32)
     model.eval()
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -286,28 +288,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
     p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
+    add_quick_flags(p)
     a = p.parse_args(argv)
     if a.llama_child:
         llama_cpp_child(a.tokens)
         return 0
+    out = results_dir(a)
     if a.replot:
-        results = json.loads((RESULTS / "throughput.json").read_text())
+        results = json.loads((out / "throughput.json").read_text())
         report(results)
-        plot(results, RESULTS / "throughput.png")
+        plot(results, out / "throughput.png")
         return 0
+    if a.quick:
+        a.modes, a.streams, a.tokens = "none", "1,2", 8
     streams = [int(n) for n in a.streams.split(",")]
     results: dict = {"tokens": a.tokens, "threads": cpu_threads(), "systems": {}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    arms = [(f"service ({m})", lambda m=m: service_arm(m, streams, a.tokens))
+    models, lm = model_args(a), a.lm_model or "default"
+    arms = [(f"service ({m})", lambda m=m: service_arm(m, streams, a.tokens, models))
             for m in a.modes.split(",")]  # fmt: skip
-    if not a.no_peers:
+    if not a.no_peers and not a.quick:  # llama.cpp runs the packaged GGUF only
         arms.append(("llama.cpp", lambda: llama_cpp_arm(a.tokens)))
-        arms.append(("transformers", lambda: transformers_arm(streams, a.tokens)))
+    if not a.no_peers:
+        arms.append(("transformers", lambda: transformers_arm(streams, a.tokens, lm)))
     for name, arm in arms:
         results["systems"][name] = arm()
-        (RESULTS / "throughput.json").write_text(json.dumps(results, indent=2))  # so far
+        (out / "throughput.json").write_text(json.dumps(results, indent=2))  # so far
     report(results)
-    save_plot(plot, results, RESULTS / "throughput.png")
+    save_plot(plot, results, out / "throughput.png")
     return 0
 
 
