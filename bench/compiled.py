@@ -51,16 +51,18 @@ LM_OPTIONS = {"float32": [], "bf16-linear": ["--lm-weights", "bfloat16"],
               "int4-linear": ["--lm-weights", "int4"]}  # fmt: skip
 
 
-def _freeze(mode: str, freeze: str) -> list[str]:
-    return ["--freeze-weights", freeze] if mode != "none" else []
+def arm_args(
+    models: list[str] | None, off: str, mode: str, option: list[str], freeze: str
+) -> list[str]:
+    """A one-model service: ``--OFF none``, the mode, the option, and (compiled) the freeze."""
+    frozen = ["--freeze-weights", freeze] if mode != "none" else []
+    return [*(models or []), f"--{off}", "none", "--compilation-mode", mode, *option, *frozen]
 
 
 def embed_arm(
     mode: str, option: str, seconds: float, freeze: str = "off", models: list[str] | None = None
 ) -> dict:
-    args = [*(models or []), "--lm-model", "none", "--compilation-mode", mode]
-    args += EMBED_OPTIONS[option]
-    args += _freeze(mode, freeze)
+    args = arm_args(models, "lm-model", mode, EMBED_OPTIONS[option], freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
         out = {"warm_s": svc.warm_s}
         for n in (1, 32):
@@ -83,9 +85,7 @@ def late_compiles(target: str) -> int:
 def generate_arm(
     mode: str, option: str, tokens: int, freeze: str = "off", models: list[str] | None = None
 ) -> dict:
-    args = [*(models or []), "--embed-model", "none", "--compilation-mode", mode]
-    args += LM_OPTIONS[option]
-    args += _freeze(mode, freeze)
+    args = arm_args(models, "embed-model", mode, LM_OPTIONS[option], freeze)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
 
         async def run() -> dict:
