@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what is missing (venv, CPU torch, packages, models), then runs
-# the whole suite. Extra arguments go to pytest, e.g. scripts/test.sh -k health.
+# the whole suite (what CI runs). Extra arguments go to pytest, e.g. scripts/test.sh -k health;
+# the fast tier while developing: scripts/test.sh -m "unit or rpc" (tests/README.md).
 #
 # The end-to-end tests start the real service and sidecar as processes; the Docker
 # end-to-end test runs only with RUN_DOCKER_E2E=1 (see deploy/README.md).
