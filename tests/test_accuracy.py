@@ -15,7 +15,7 @@ from bench.accuracy import (
 )
 from inference_api.plan import CompilationMode
 
-pytestmark = pytest.mark.rpc
+pytestmark = [pytest.mark.rpc, pytest.mark.slow]  # minutes: the real LM three times, eager
 
 NONE = CompilationMode.NONE
 

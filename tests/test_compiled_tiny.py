@@ -149,6 +149,7 @@ async def test_freeze_weights_on_freezes_the_graphs(
         await serves_like_eager(service, c, eager_results)
 
 
+@pytest.mark.slow  # autotunes every linear layer: about 100 s on 2 cores
 async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
     tiny_embed_dir, tiny_lm_dir, eager_results
 ):
