@@ -6,14 +6,16 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
-from inference_svc.app import Service
-from inference_svc.config import parse_config
+
+if TYPE_CHECKING:
+    from inference_svc.app import Service
 
 WARMUP_KINDS = (
     apb.WARMUP_STEP_KIND_PROFILE,
@@ -75,6 +77,9 @@ async def serving(
     tests/conftest.py's ``tiny_args`` does). ``loaded`` waits until the models are loaded;
     ``warm`` also runs the warmup a sidecar would and marks the service SERVING. On the way
     out, whatever happened, the channels are closed and the service stopped."""
+    from inference_svc.app import Service  # here: the unit tier never imports the service
+    from inference_svc.config import parse_config
+
     service = Service(parse_config(list(args)))
     await service.start()
     clients = Clients.connect(service.port, service.admin_port)
