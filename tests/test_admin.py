@@ -15,6 +15,8 @@ from inference_svc import __version__
 from inference_svc.engine.runtime import ModelRuntime
 from tests.conftest import start_service, tiny_args
 
+pytestmark = pytest.mark.rpc
+
 
 async def test_describe_carries_the_services_plan_skips_and_version(tiny_embed_dir, tiny_lm_dir):
     service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
