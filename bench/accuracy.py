@@ -24,12 +24,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import add_quick_flags, results_dir
-from inference_api.plan import CompilationMode
+from inference_api.plan import CompilationMode, LogprobsMode
 from inference_svc.compile_monitor import CompileMonitor, Origin
+from inference_svc.engine.buckets import GenBuckets
+from inference_svc.engine.runner import GenerateRunner
 from inference_svc.limits import GenLimits
+from inference_svc.models.compile import ModelContext
 from inference_svc.models.embedding import EmbeddingModel, load_embedding
-from inference_svc.models.generative import GenerativeModel, load_generative
+from inference_svc.models.generative import load_generative
 from inference_svc.models.loading import resolve_embed_dir, resolve_lm_dir
+from inference_svc.sampling import Sampler
 
 PROMPTS = (
     "The capital of France is",
@@ -64,47 +68,49 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def load_lm(
     dtype: str, weights: str, mode: CompilationMode, model_spec: str = "default"
-) -> GenerativeModel:
+) -> GenerateRunner:
+    """The LM with a 2-row cache behind the service's own runner (its padding, its shapes)."""
     limits = GenLimits(max_batch=2, max_input_tokens=128, max_new_tokens=128, prefill_chunk=64)
-    model = load_generative(
-        "lm", resolve_lm_dir(model_spec), limits, mode, CompileMonitor(), torch.device("cpu"),
-        DTYPES[dtype], Path("~/.cache/inference-svc/models").expanduser(), weights,
-    )  # fmt: skip
-    model.allocate_cache(2 * limits.max_seq_len)
-    return model
+    monitor = CompileMonitor()
+    ctx = ModelContext("lm", mode, monitor, torch.device("cpu"), DTYPES[dtype])
+    cache = Path("~/.cache/inference-svc/models").expanduser()
+    model = load_generative(ctx, resolve_lm_dir(model_spec), limits, cache, weights)
+    buckets = GenBuckets.plan(limits, mode)
+    model.allocate_cache(buckets.rows_for(2 * limits.max_seq_len))
+    return GenerateRunner(model, Sampler("lm", mode, monitor), LogprobsMode.RAW, buckets)
 
 
-def prompt_ids(model: GenerativeModel, prompt: str) -> list[int]:
-    return model.encode("", [{"role": "user", "content": prompt}])
+def prompt_ids(lm: GenerateRunner, prompt: str) -> list[int]:
+    return lm.model.encode("", [{"role": "user", "content": prompt}])
 
 
-def prefill(model: GenerativeModel, ids: list[int]) -> torch.Tensor:
+def prefill(lm: GenerateRunner, ids: list[int]) -> torch.Tensor:
     """The whole prompt into row 0, chunk by chunk; logits after its last token."""
-    chunk = model.chunk_buckets[-1]
+    chunk = lm.buckets.chunk[-1]
     for start in range(0, len(ids), chunk):
-        logits = model.prefill(0, ids[start : start + chunk], start, Origin.WARMUP)
+        logits = lm.pad_prefill(0, ids[start : start + chunk], start, Origin.WARMUP)
     return logits
 
 
-def forced_argmax(model: GenerativeModel, ids: list[int], continuation: list[int]) -> list[int]:
+def forced_argmax(lm: GenerateRunner, ids: list[int], continuation: list[int]) -> list[int]:
     """Argmax after the prompt and after each token of ``continuation`` (teacher forcing)."""
-    out = [int(prefill(model, ids)[0].argmax())]
+    out = [int(prefill(lm, ids)[0].argmax())]
     for t, token in enumerate(continuation[:-1]):
-        logits = model.decode(torch.tensor([token]), [len(ids) + t], Origin.WARMUP)
+        logits = lm.pad_decode([token], [len(ids) + t], Origin.WARMUP)
         out.append(int(logits[0].argmax()))
     return out
 
 
-def greedy(model: GenerativeModel, ids: list[int], tokens: int) -> list[int]:
-    out = [int(prefill(model, ids)[0].argmax())]
-    while len(out) < tokens and out[-1] not in model.eos_ids:
-        logits = model.decode(torch.tensor([out[-1]]), [len(ids) + len(out) - 1], Origin.WARMUP)
+def greedy(lm: GenerateRunner, ids: list[int], tokens: int) -> list[int]:
+    out = [int(prefill(lm, ids)[0].argmax())]
+    while len(out) < tokens and out[-1] not in lm.model.eos_ids:
+        logits = lm.pad_decode([out[-1]], [len(ids) + len(out) - 1], Origin.WARMUP)
         out.append(int(logits[0].argmax()))
     return out
 
 
 def lm_agreement(
-    reference: GenerativeModel, option: GenerativeModel, prompts: tuple[str, ...], tokens: int
+    reference: GenerateRunner, option: GenerateRunner, prompts: tuple[str, ...], tokens: int
 ) -> float:
     """Share of positions where ``option``'s top-1 token equals ``reference``'s."""
     same = total = 0
@@ -118,10 +124,8 @@ def lm_agreement(
 
 
 def load_embed(dtype: str, mode: CompilationMode, model_spec: str = "default") -> EmbeddingModel:
-    return load_embedding(
-        "e", resolve_embed_dir(model_spec), 16, mode, CompileMonitor(), torch.device("cpu"),
-        DTYPES[dtype],
-    )  # fmt: skip
+    ctx = ModelContext("e", mode, CompileMonitor(), torch.device("cpu"), DTYPES[dtype])
+    return load_embedding(ctx, resolve_embed_dir(model_spec))
 
 
 def embed(model: EmbeddingModel, texts: tuple[str, ...]) -> torch.Tensor:

@@ -101,11 +101,13 @@ def in_process(repeats: int, tokens: int, models: list[str]) -> dict[str, float]
 
     async def generate() -> int:
         n = 0
-        async for chunk in engine.generator().generate(g_params):
+        async for chunk in engine.serving("Generate").serve(g_params):
             n += len(chunk.token_ids)
         return n
 
-    embed = median_of(lambda: loop.run_until_complete(engine.embedder().embed(e_params)), repeats)
+    embed = median_of(
+        lambda: loop.run_until_complete(anext(engine.serving("Embed").serve(e_params))), repeats
+    )
     rate = tokens_per_s(lambda: loop.run_until_complete(generate()), max(3, repeats // 6))
     engine.close()
     loop.close()

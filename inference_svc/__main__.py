@@ -17,6 +17,11 @@ from inference_svc.config import ServiceConfig, parse_config
 log = logging.getLogger("inference_svc")
 
 
+# Exit status when the engine asks for a restart (kept artifacts broke a warmup step and
+# were set aside): the supervisor's next start compiles without them.
+EXIT_RESTART = 3
+
+
 async def serve(config: ServiceConfig) -> int:
     service = Service(config)
     await service.start()
@@ -32,8 +37,13 @@ async def serve(config: ServiceConfig) -> int:
         log.error("loading the models failed: %s", exc, exc_info=exc)
         await service.stop(0)
         return 1
-    await stopper
+    restart = asyncio.create_task(service.restart_required.wait())
+    await asyncio.wait({stopper, restart}, return_when=asyncio.FIRST_COMPLETED)
     await service.stop()
+    if restart.done():
+        log.error("stopping: this process must be restarted (see the error above)")
+        return EXIT_RESTART
+    restart.cancel()
     return 0
 
 

@@ -29,6 +29,8 @@ from inference_svc import __version__
 from inference_svc.auth import AdminTokenInterceptor
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import Engine
+from inference_svc.engine.registry import KINDS
+from inference_svc.engine.runtime import ModelKindEntry
 from inference_svc.metrics import Metrics
 from inference_svc.server import AdminServicer, InferenceServicer
 from inference_svc.wire import HEALTH_NOT_SERVING as NOT_SERVING
@@ -39,9 +41,9 @@ log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, kinds: tuple[ModelKindEntry, ...] = KINDS) -> None:
         self.config = config
-        self.engine = Engine(config)
+        self.engine = Engine(config, kinds)
         self.health = health.aio.HealthServicer()
         limit = ("grpc.max_receive_message_length", config.max_request_bytes)
         self.public = grpc.aio.server(options=[limit])
@@ -53,6 +55,8 @@ class Service:
         self.admin_port = 0
         self.metrics_port: int | None = None
         self.load_task: asyncio.Task[None] | None = None
+        # Set when the engine says this process must be restarted (``serve`` then stops it).
+        self.restart_required: asyncio.Event = asyncio.Event()
 
     async def start(self) -> None:
         """Listen on both ports, then start loading the models in the background."""
@@ -76,6 +80,9 @@ class Service:
         loop = asyncio.get_running_loop()
         self.engine.on_health = lambda serving, reason: loop.call_soon_threadsafe(
             lambda: loop.create_task(self._set_health(serving, reason))
+        )
+        self.engine.on_restart = lambda reason: loop.call_soon_threadsafe(
+            self.restart_required.set
         )
         log.info(
             "listening: public %s:%d, admin %s:%d (%s; boot %s); health NOT_SERVING until warmed",

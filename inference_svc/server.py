@@ -18,7 +18,7 @@ import grpc
 
 from inference_svc import __version__, wire
 from inference_svc.engine.core import Engine
-from inference_svc.engine.generate_runtime import GenerativeRuntime
+from inference_svc.engine.runtime import ModelRuntime
 from inference_svc.engine.types import GenChunk, GenerateParams
 from inference_svc.errors import (
     FailedPrecondition,
@@ -98,14 +98,14 @@ def unary(fn: Callable[..., Awaitable[R]]) -> Callable[..., Awaitable[R]]:
 class InferenceServicer(Servicer):
     @unary
     async def Embed(self, request: Any, context: Any) -> Any:
-        runtime = self.engine.embedder()
-        result = await runtime.embed(wire.embed_params(request, runtime.limits))
+        runtime = self.engine.serving("Embed")
+        result = await anext(runtime.serve(wire.embed_params(request, runtime.limits)))
         self.metrics.observe_tokens(runtime.name, result.prompt_tokens, 0)
         return wire.embed_response(result, runtime.display_name)
 
     @unary
     async def Generate(self, request: Any, context: Any) -> Any:
-        runtime = self.engine.generator()
+        runtime = self.engine.serving("Generate")
         params = wire.generate_params(request, runtime.limits)
         chunks = [chunk async for chunk in self._timed(runtime, params)]
         return wire.generate_response(chunks, runtime.display_name)
@@ -114,18 +114,18 @@ class InferenceServicer(Servicer):
         self, request: Any, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Any]:
         async with answering(self.metrics, "GenerateStream", context):
-            runtime = self.engine.generator()
+            runtime = self.engine.serving("Generate")
             params = wire.generate_params(wire.decoded(request), runtime.limits)
             async for chunk in self._timed(runtime, params):
                 yield wire.generate_chunk(chunk)
 
     async def _timed(
-        self, runtime: GenerativeRuntime, params: GenerateParams
+        self, runtime: ModelRuntime, params: GenerateParams
     ) -> AsyncIterator[GenChunk]:
         """The runtime's chunks, timed: time to first token, gaps between tokens, tokens."""
         last = time.perf_counter()
         first = True
-        async for chunk in runtime.generate(params):
+        async for chunk in runtime.serve(params):
             if chunk.token_ids:
                 now = time.perf_counter()
                 (self.metrics.ttft if first else self.metrics.itl).observe(now - last)

@@ -70,7 +70,7 @@ class Clients:
 
 @asynccontextmanager
 async def serving(
-    args: Sequence[str], *, loaded: bool = False, warm: bool = False
+    args: Sequence[str], *, loaded: bool = False, warm: bool = False, kinds: tuple = ()
 ) -> AsyncIterator[tuple[Service, Clients]]:
     """``async with serving(args, warm=True) as (service, clients):`` runs
     ``Service(parse_config(args))`` in this process (pass ``--port 0 --admin-port 0``:
@@ -80,7 +80,8 @@ async def serving(
     from inference_svc.app import Service  # here: the unit tier never imports the service
     from inference_svc.config import parse_config
 
-    service = Service(parse_config(list(args)))
+    config = parse_config(list(args))
+    service = Service(config, kinds) if kinds else Service(config)  # kinds: model kinds to load
     await service.start()
     clients = Clients.connect(service.port, service.admin_port)
     try:

@@ -167,7 +167,7 @@ async def shapes_ran_and_listed(service, c) -> tuple[set[Bucket], set[Bucket]]:
     """The shapes requests ran on the generative model, and the buckets Describe lists."""
     described = await c.admin.Describe(apb.DescribeRequest())
     profile = next(m for m in described.models if m.name == "generative")
-    ran = service.engine.runtimes["generative"].model.request_shapes
+    ran = service.engine.runtimes["generative"].runner.request_shapes
     return set(ran), {bucket_from_pb(b) for b in profile.buckets}
 
 

@@ -116,7 +116,7 @@ async def test_a_model_kind_not_loaded_is_invalid_argument(tiny_embed_dir, tiny_
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await c.inference.Generate(pb.GenerateRequest(prompt="hi"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "no generative model is loaded" in info.value.details()
+        assert "no model that answers Generate is loaded" in info.value.details()
         reply = await c.inference.Embed(pb.EmbedRequest(inputs=["still embeds"]))
         assert len(reply.embeddings) == 1
 

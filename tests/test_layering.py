@@ -117,3 +117,35 @@ def test_the_scheduler_and_the_output_stage_load_no_torch() -> None:
     pure = ("scheduler", "output", "inbox", "batcher", "compute")
     loaded = loaded_after_import(*(f"inference_svc.engine.{m}" for m in pure))
     assert not loaded & {"torch", "grpc", "transformers", "numpy"}
+
+
+def test_no_import_cycle_inside_a_package() -> None:
+    """Module-level imports only (an import inside a function runs later, by design)."""
+    graph: dict[str, set[str]] = {}
+    for package in ("inference_svc", "inference_api", "warmup_ctl", "inference_cli"):
+        for path in modules(package):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(
+                ".__init__"
+            )
+            deps: set[str] = set()
+            for node in ast.parse(path.read_text()).body:
+                if isinstance(node, ast.Import):
+                    deps.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module:
+                    deps.add(node.module)
+                    deps.update(f"{node.module}.{a.name}" for a in node.names)
+            graph[name] = deps
+    edges = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(m: str, stack: list[str]) -> None:
+        if m in stack:
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(m) :], m]))
+        if m in done:
+            return
+        for d in sorted(edges[m]):
+            visit(d, [*stack, m])
+        done.add(m)
+
+    for m in sorted(edges):
+        visit(m, [])

@@ -1,24 +1,21 @@
 """The engine: the lifecycle of the model runtimes, the serving gate, and routing.
 
-It loads the runtimes the factory names, plans their warmup with the contract's
-decision table, routes each warmup step and each request to its runtime, and
-keeps the gate that decides when the service may be SERVING. What a model is and
-how it warms is the runtime's business (engine/runtime.py).
+It loads the runtimes the registry names (engine/registry.py), plans their warmup with the
+contract's decision table, routes each warmup step to its runtime by name and each request
+to the runtime that answers its RPC, and keeps the gate that decides when the service may
+be SERVING. What a model is and how it warms is the runtime's business (engine/runtime.py);
+kept compiled artifacts are engine/kept.py's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import gc
 import logging
-import os
 import random
-import signal
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -26,19 +23,15 @@ import torch
 from inference_api.plan import ModelKind, ModelProfile, Plan, Step, StepKind, plan
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
-from inference_svc.engine import artifacts
 from inference_svc.engine.compute import ComputeThread
-from inference_svc.engine.embed_runtime import EmbeddingRuntime
-from inference_svc.engine.factory import LOAD_FLAG, model_dirs, runtime_specs
 from inference_svc.engine.gate import ServingGate
-from inference_svc.engine.generate_runtime import GenerativeRuntime
-from inference_svc.engine.runtime import ModelRuntime, StepReport
+from inference_svc.engine.kept import KeptArtifacts
+from inference_svc.engine.registry import KINDS
+from inference_svc.engine.runtime import LoadEnv, ModelKindEntry, ModelRuntime, StepReport
 from inference_svc.engine.types import RuntimeInfo
 from inference_svc.errors import InvalidArgument, Unavailable
-from inference_svc.models.compile import set_freezing
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 WARMING = (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER)  # steps that compile
 
 
@@ -50,8 +43,9 @@ class LoadedModel:
 
 
 class Engine:
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, kinds: tuple[ModelKindEntry, ...] = KINDS) -> None:
         self.config = config
+        self.kinds = kinds
         self.boot_id = uuid.uuid4().hex
         self.monitor = CompileMonitor()
         self.monitor.on_late = self._on_late_compile
@@ -61,46 +55,45 @@ class Engine:
         self.loaded: list[LoadedModel] = []
         self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
         self.models_loaded = False
-        self.artifacts: artifacts.CompileArtifacts | None = None  # --compile-cache-dir
-        self._kept = False  # this process has kept (or loaded) its artifacts
+        self.artifacts: KeptArtifacts | None = None  # --compile-cache-dir
         # Called with (serving, reason) whenever the health of the service changes.
         self.on_health: Callable[[bool, str], None] = lambda serving, reason: None
+        # Called with the reason when this process must be restarted (the app stops it).
+        self.on_restart: Callable[[str], None] = lambda reason: None
 
     # -- lifecycle ----------------------------------------------------------------
     def load(self) -> None:
         """Load the configured models (blocking: run it off the event loop)."""
         self.monitor.install()
-        # Before any model is built: compile_fn reads it when it wraps a model function.
-        set_freezing(self.config.freeze_weights)
-        self.artifacts = artifacts.for_config(self.config, model_dirs(self.config))
-        if self.artifacts is not None:
-            # Before any model is built: torch.compile looks up Dynamo packages then.
-            self.compute.run(self.artifacts.open).result()
-        for spec in runtime_specs(self.config, self.monitor, self.compute):
-            log.info("loading model %s (%s)", spec.name, spec.kind.value)
-            start = time.perf_counter()
-            before = artifacts.dynamo_cache_counts()
-            # On the compute thread: it is the only thread that runs torch's parallel
-            # kernels in this process (engine/compute.py says why).
-            try:
-                runtime = self.runtimes[spec.name] = self.compute.run(spec.load).result()
-            except Exception as exc:
-                if self.artifacts is not None and self.artifacts.loaded:
-                    moved = self.artifacts.discard(f"loading {spec.name} failed: {exc!r}")
-                    log.error(
-                        "compiled artifacts: loading model %s with them failed (%r); set "
-                        "aside as %s: the next start compiles", spec.name, exc, moved,
-                    )  # fmt: skip
-                raise
-            if self.artifacts is not None:
-                runtime.artifacts = self.artifacts.model_status(spec.name, before)
-                if runtime.artifacts == "loaded":
-                    runtime.loaded_from_artifacts()
-            took = time.perf_counter() - start
-            self.loaded.append(LoadedModel(spec.name, spec.kind, took))
-            log.info("loaded model %s in %.1f s", spec.name, took)
+        chosen = [(k, m) for k in self.kinds if (m := k.model(self.config)) is not None]
+        dirs = {k.name: k.resolve(m) for k, m in chosen}
+        self.artifacts = KeptArtifacts.open(self.config, dirs, self.compute)
+        env = LoadEnv(self.config, self.monitor, self.compute)
+        for kind, _ in chosen:
+            self._load_one(kind, env, dirs[kind.name])
         self._seed(self.config.seed)  # a fresh process starts from the configured random state
         self.models_loaded = True
+
+    def _load_one(self, kind: ModelKindEntry, env: LoadEnv, directory: object) -> None:
+        log.info("loading model %s", kind.name)
+        start = time.perf_counter()
+        kept = self.artifacts
+        if kept is not None:
+            kept.before_load()
+        # On the compute thread: it is the only thread that runs torch's parallel kernels
+        # in this process (engine/compute.py says why).
+        try:
+            runtime = self.compute.run(lambda: kind.load(env, directory)).result()
+        except Exception as exc:
+            if kept is not None:
+                kept.load_failed(kind.name, exc)
+            raise
+        self.runtimes[kind.name] = runtime
+        if kept is not None:
+            kept.after_load(runtime)
+        took = time.perf_counter() - start
+        self.loaded.append(LoadedModel(kind.name, runtime.kind, took))
+        log.info("loaded model %s in %.1f s", kind.name, took)
 
     def close(self) -> None:
         for runtime in self.runtimes.values():
@@ -132,14 +125,19 @@ class Engine:
         try:
             report = await runtime.warm(step)
         except Exception as exc:
-            if runtime.artifacts == "loaded":
-                self._artifacts_failed(f"{step.kind.name} {step.model} failed with them: {exc}")
+            if runtime.artifacts == "loaded" and self.artifacts is not None:
+                why = f"{step.kind.name} {step.model} failed with them: {exc}"
+                restart = self.artifacts.step_failed(why)
+                self.on_restart(why)
+                raise restart from exc
             raise
         self.warmup_reports.append(report)
         if not report.skipped:
             self.gate.invalidate_reseed()
         self.gate.record_warmup(report.as_step())
-        await self._keep_artifacts()
+        if self.artifacts is not None:
+            compiling = [s for s in self.required_steps() if s.kind in WARMING]
+            await self.artifacts.publish_when_warm(self.boot_id, compiling, self.gate.is_done)
         log.info(
             "warmup %s %s: %s in %.1f s, %d compile events",
             step.kind.name,
@@ -190,32 +188,6 @@ class Engine:
         log.info("health: SERVING (boot %s)", self.boot_id)
         self.on_health(True, "warmed up")
 
-    def _artifacts_failed(self, reason: str) -> None:
-        """Loaded artifacts broke a warmup step (a torch error, not a miss: a miss just
-        compiles). This process cannot unload them: set them aside so that the next start
-        compiles, and stop (SIGTERM) so that the supervisor starts that process."""
-        assert self.artifacts is not None
-        moved = self.artifacts.discard(reason)
-        log.error("compiled artifacts: %s; set aside as %s; stopping to start without them",
-                  reason, moved)  # fmt: skip
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    async def _keep_artifacts(self) -> None:
-        """Once every warmup step has run, keep what this start compiled for the next one:
-        inside the last step, so no request shares the CPU with it and a process killed
-        right after SERVING has kept them already."""
-        if self.artifacts is None or self._kept:
-            return
-        if not all(self.gate.is_done(s) for s in self.required_steps() if s.kind in WARMING):
-            return
-        self._kept = True
-        start = time.perf_counter()
-        try:
-            outcome = await asyncio.to_thread(self.artifacts.publish, self.boot_id)
-            log.info("compiled artifacts: %s (%.1f s)", outcome, time.perf_counter() - start)
-        except Exception:  # never let keeping artifacts fail the warmup
-            log.exception("compiled artifacts: could not keep them")
-
     def _on_late_compile(self, event: LateCompile) -> None:
         if self.config.on_late_compile is not LateCompilePolicy.FAIL:
             return
@@ -228,24 +200,19 @@ class Engine:
     def infos(self) -> list[RuntimeInfo]:
         return [r.info() for r in self.runtimes.values()]
 
-    def embedder(self) -> EmbeddingRuntime:
-        """The runtime that answers Embed; Unavailable before SERVING."""
-        return self._serving_runtime(ModelKind.EMBEDDING, EmbeddingRuntime)
-
-    def generator(self) -> GenerativeRuntime:
-        """The runtime that answers Generate; Unavailable before SERVING."""
-        return self._serving_runtime(ModelKind.GENERATIVE, GenerativeRuntime)
-
-    def _serving_runtime(self, kind: ModelKind, cls: type[R]) -> R:
+    def serving(self, rpc: str) -> ModelRuntime:
+        """The runtime that answers ``rpc`` ("Embed", "Generate"); Unavailable before SERVING."""
         if not self.gate.serving:
             raise Unavailable(
                 "the service is warming up (not SERVING yet); retry when grpc.health.v1 "
                 "reports SERVING for inference.v1.Inference"
             )
         for runtime in self.runtimes.values():
-            if runtime.kind is kind and isinstance(runtime, cls):
+            if runtime.rpc == rpc:
                 return runtime
-        raise InvalidArgument(f"no {kind.value} model is loaded (start with {LOAD_FLAG[kind]})")
+        flags = [k.flag for k in self.kinds if k.rpc == rpc]
+        hint = f" (start with {flags[0]})" if flags else ""
+        raise InvalidArgument(f"no model that answers {rpc} is loaded{hint}")
 
     def _require_loaded(self) -> None:
         if not self.models_loaded:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,14 +17,21 @@ from inference_api.plan import Bucket, ModelKind, ModelProfile, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine import warmup
 from inference_svc.engine.batcher import Batcher
+from inference_svc.engine.buckets import EmbedBuckets
 from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.inbox import Inbox
-from inference_svc.engine.runtime import RuntimeBase, StepReport
+from inference_svc.engine.runtime import (
+    LoadEnv,
+    ModelKindEntry,
+    RuntimeBase,
+    StepReport,
+    model_context,
+)
 from inference_svc.engine.types import EmbedParams, EmbedResult, RuntimeInfo
 from inference_svc.errors import InvalidArgument
 from inference_svc.limits import EmbedLimits
-from inference_svc.models.compile import bucket_for
-from inference_svc.models.embedding import EmbeddingModel
+from inference_svc.models.embedding import EmbeddingModel, load_embedding
+from inference_svc.models.loading import display_name, resolve_embed_dir
 
 WARM_PARAMS = EmbedParams(("warm up the request path",), True, False, 0)
 
@@ -49,7 +58,7 @@ def prepare(m: EmbeddingModel, params: EmbedParams) -> EmbedJob:
     return EmbedJob(ids, params)
 
 
-def run_batch(m: EmbeddingModel, jobs: list[EmbedJob]) -> None:
+def run_batch(m: EmbeddingModel, buckets: EmbedBuckets, jobs: list[EmbedJob]) -> None:
     """Pad the jobs' rows to a bucket, run the model, answer each job with its vectors."""
     # A job whose caller gave up (cancelled, deadline) is dropped here; the others are
     # marked running, so no later cancel can race with their result.
@@ -57,8 +66,8 @@ def run_batch(m: EmbeddingModel, jobs: list[EmbedJob]) -> None:
     if not jobs:
         return
     rows = [r for job in jobs for r in job.ids]
-    batch = bucket_for(len(rows), m.batch_buckets)
-    length = bucket_for(max(2, *(len(r) for r in rows)), m.length_buckets)
+    shape = buckets.shape(len(rows), max(len(r) for r in rows))
+    batch, length = shape.batch_size, shape.seq_len
     ids = torch.full((batch, length), m.pad_id, dtype=torch.long)
     mask = torch.zeros(batch, length, dtype=torch.long)
     for i, r in enumerate(rows):
@@ -87,6 +96,7 @@ class EmbeddingRuntime(RuntimeBase):
     """An embedding model behind its batcher (implements ModelRuntime)."""
 
     kind = ModelKind.EMBEDDING
+    rpc = "Embed"
 
     def __init__(
         self,
@@ -95,28 +105,31 @@ class EmbeddingRuntime(RuntimeBase):
         max_queue: int,
         monitor: CompileMonitor,
         compute: ComputeThread,
+        max_batch: int,
         batch_wait_s: float = 0.0,
     ) -> None:
         inbox: Inbox[EmbedJob] = Inbox(model.name, max_queue, compute)
         super().__init__(model.name, display_name, inbox, monitor)
         self.model = model
+        self.shapes = EmbedBuckets.plan(max_batch, model.max_input_tokens, model.mode)
+        self._run = functools.partial(run_batch, model, self.shapes)
         self.batcher = Batcher(
-            model.name, inbox, functools.partial(run_batch, model), fail,
-            capacity=model.max_batch, rows_of=lambda job: len(job.ids), batch_wait_s=batch_wait_s,
+            model.name, inbox, self._run, fail,
+            capacity=max_batch, rows_of=lambda job: len(job.ids), batch_wait_s=batch_wait_s,
         )  # fmt: skip
-        self.limits = EmbedLimits(model.max_batch, model.max_input_tokens, model.dimensions)
+        self.limits = EmbedLimits(max_batch, model.max_input_tokens, model.dimensions)
 
     @property
     def kv_cache_tokens(self) -> int:
         return 0
 
     def buckets(self) -> tuple[Bucket, ...]:
-        return warmup.embed_buckets(self.model)
+        return self.shapes.all()
 
     async def touch(self) -> None:
         """A request's whole path: tokenized on the text thread, run on the compute thread."""
         job = await self.on_text_thread(self._prepare, WARM_PARAMS)
-        await asyncio.wrap_future(self.inbox.call(lambda: run_batch(self.model, [job])))
+        await asyncio.wrap_future(self.inbox.call(lambda: self._run([job])))
         job.future.result()
 
     def _prepare(self, params: EmbedParams) -> EmbedJob:
@@ -126,7 +139,7 @@ class EmbeddingRuntime(RuntimeBase):
         """One request through the whole path (tokenize, batch, forward, normalise),
         run on this thread by the warmup: nothing of it is left for a client to run first."""
         job = prepare(self.model, WARM_PARAMS)
-        run_batch(self.model, [job])
+        self._run([job])
         job.future.result()
 
     def profile(self) -> ModelProfile:
@@ -156,6 +169,9 @@ class EmbeddingRuntime(RuntimeBase):
 
         return await asyncio.wrap_future(self.inbox.call(compile_all))
 
+    async def serve(self, params: EmbedParams) -> AsyncIterator[EmbedResult]:
+        yield await self.embed(params)
+
     async def embed(self, params: EmbedParams) -> EmbedResult:
         job = await self.on_text_thread(self._prepare, params)
         self.inbox.submit(job)
@@ -168,7 +184,7 @@ class EmbeddingRuntime(RuntimeBase):
             kind=self.kind,
             dimensions=m.dimensions,
             max_input_tokens=m.max_input_tokens,
-            max_batch_size=m.max_batch,
+            max_batch_size=self.limits.max_batch,
             max_new_tokens=0,
             has_kv_cache=False,
             vocab_size=m.vocab_size,
@@ -177,3 +193,17 @@ class EmbeddingRuntime(RuntimeBase):
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],
         )
+
+
+def load(env: LoadEnv, directory: Path) -> EmbeddingRuntime:
+    c = env.config
+    model = load_embedding(model_context(NAME, env), directory)
+    model.warm_text()
+    return EmbeddingRuntime(
+        model, display_name(c.embed_model, directory), c.max_queue, env.monitor, env.compute,
+        c.embed_max_batch, batch_wait_s=c.embed_batch_wait_ms / 1000,
+    )  # fmt: skip
+
+
+NAME = "embedding"
+KIND = ModelKindEntry(NAME, "embed_model", "Embed", resolve_embed_dir, load)

@@ -8,8 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 from inference_api.plan import (
     Bucket,
@@ -17,7 +16,6 @@ from inference_api.plan import (
     LogprobsMode,
     ModelKind,
     ModelProfile,
-    Phase,
     SamplerPath,
     Step,
     StepKind,
@@ -25,30 +23,43 @@ from inference_api.plan import (
 )
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine import warmup
+from inference_svc.engine.buckets import GenBuckets
 from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.generate_loop import GenerateLoop
 from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.output import OutputStage
 from inference_svc.engine.runner import GenerateRunner
-from inference_svc.engine.runtime import RuntimeBase, StepReport
+from inference_svc.engine.runtime import (
+    LoadEnv,
+    ModelKindEntry,
+    RuntimeBase,
+    StepReport,
+    model_context,
+)
 from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
 from inference_svc.errors import FailedPrecondition, InvalidArgument
 from inference_svc.limits import GenLimits
-from inference_svc.models.generative import GenerativeModel
+from inference_svc.models.generative import GenerativeModel, load_generative
+from inference_svc.models.loading import display_name, resolve_lm_dir
 from inference_svc.sampling import Sampler
 
 
 @dataclass(frozen=True)
 class KvCachePolicy:
-    explicit: bool  # the operator gave --kv-cache-tokens: no PROFILE run sizes it
+    tokens: int | None  # --kv-cache-tokens: the operator's size; None: PROFILE sizes it
     memory_fraction: float  # share of free memory PROFILE may give the cache
+
+    @property
+    def explicit(self) -> bool:
+        return self.tokens is not None
 
 
 class GenerativeRuntime(RuntimeBase):
     """A causal LM behind its scheduler, runner and output stage (implements ModelRuntime)."""
 
     kind = ModelKind.GENERATIVE
+    rpc = "Generate"
 
     def __init__(
         self,
@@ -63,7 +74,10 @@ class GenerativeRuntime(RuntimeBase):
         inbox: Inbox[Sequence] = Inbox(model.name, max_queue, compute)
         super().__init__(model.name, display_name, inbox, monitor)
         self.sampler = Sampler(model.name, model.mode, monitor)
-        self.runner = GenerateRunner(model, self.sampler, logprobs_mode)
+        buckets = GenBuckets.plan(model.limits, model.mode)
+        if kv_cache.tokens is not None:
+            model.allocate_cache(buckets.rows_for(kv_cache.tokens))
+        self.runner = GenerateRunner(model, self.sampler, logprobs_mode, buckets)
         self.scheduler = Scheduler(model.limits.prefill_chunk, model.eos_ids)
         output = OutputStage(self._text, model.detokenize, model.token_text)
         self.loop = GenerateLoop(model.name, inbox, self.scheduler, self.runner, output)
@@ -84,7 +98,7 @@ class GenerativeRuntime(RuntimeBase):
         self.model.mark_dynamic = False  # see GenerativeModel.__init__
 
     def buckets(self) -> tuple[Bucket, ...]:
-        return warmup.generative_buckets(self.model)
+        return self.runner.buckets.all()
 
     def profile(self) -> ModelProfile:
         return ModelProfile(
@@ -104,17 +118,17 @@ class GenerativeRuntime(RuntimeBase):
         return await asyncio.wrap_future(self.inbox.call(run))
 
     def _step(self, step: Step) -> Callable[[], StepReport]:
-        m, mon = self.model, self.monitor
+        r, mon = self.runner, self.monitor
         match step.kind:
             case StepKind.PROFILE:
                 fraction = self.kv_cache.memory_fraction
                 loaded = self.artifacts == "loaded"
-                return lambda: warmup.profile(m, fraction, self._compiled, mon, loaded)
+                return lambda: warmup.profile(r, fraction, self._compiled, mon, loaded)
             case StepKind.COMPILE:
                 return self._compile
             case StepKind.SAMPLER:
                 paths = list(step.sampler_paths or self._planned_paths())
-                return lambda: warmup.warm_sampler(m, self.sampler, paths, self.logprobs_mode, mon)
+                return lambda: warmup.warm_sampler(r, self.sampler, paths, self.logprobs_mode, mon)
         raise FailedPrecondition(f"{step.kind.name} is not a warmup step of {self.name}")
 
     def _compile(self) -> StepReport:
@@ -123,14 +137,8 @@ class GenerativeRuntime(RuntimeBase):
             raise FailedPrecondition(
                 f"COMPILE {self.name}: the KV cache is not sized yet; run PROFILE first"
             )
-
-        def run_bucket(b: Bucket, gen: torch.Generator) -> object:
-            if b.phase is Phase.PREFILL:
-                return m.dummy_prefill(b.seq_len, b.context_len, gen)
-            return m.dummy_decode(b.batch_size, b.context_len, gen)
-
         return warmup.compile_buckets(
-            self.name, m.mode, self.buckets(), self._compiled, run_bucket, self.monitor,
+            self.name, m.mode, self.buckets(), self._compiled, self.runner.run_shape, self.monitor,
             artifacts=self.artifacts,
         )  # fmt: skip
 
@@ -139,6 +147,9 @@ class GenerativeRuntime(RuntimeBase):
             if s.kind is StepKind.SAMPLER:
                 return s.sampler_paths
         return ()
+
+    def serve(self, params: GenerateParams) -> AsyncIterator[GenChunk]:
+        return self.generate(params)
 
     async def generate(self, params: GenerateParams) -> AsyncIterator[GenChunk]:
         """The chunks of one request, as its rows decode; the row is freed when the
@@ -189,3 +200,22 @@ class GenerativeRuntime(RuntimeBase):
             compilation_mode=m.mode,
             late_compile_events=self.monitor.late_by_model[self.name],
         )
+
+
+def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
+    c = env.config
+    limits = GenLimits(
+        c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
+    )
+    cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
+    model = load_generative(model_context(NAME, env), directory, limits, cache, c.lm_weights)
+    model.warm_text()
+    policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)
+    return GenerativeRuntime(
+        model, display_name(c.lm_model, directory), c.logprobs_mode, policy, c.max_queue,
+        env.monitor, env.compute,
+    )  # fmt: skip
+
+
+NAME = "generative"
+KIND = ModelKindEntry(NAME, "lm_model", "Generate", resolve_lm_dir, load)

@@ -1,7 +1,8 @@
 """The Generate runner: runs what the scheduler planned on the model and the sampler.
 
 It owns the logits buffer (one row per KV-cache row: each row's next distribution), pads
-each step to a declared shape (the model's buckets) and reads back only the sampled ids
+each step to a declared shape (the model's one ``GenBuckets`` value) and reads back only
+the sampled ids
 (and, when asked, their logprobs) as plain numbers for the output stage.
 """
 
@@ -10,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from inference_api.plan import LogprobsMode
+from inference_api.plan import Bucket, LogprobsMode, Phase
 from inference_svc.compile_monitor import Origin
+from inference_svc.engine.buckets import GenBuckets
 from inference_svc.engine.output import Sampled
 from inference_svc.engine.scheduler import Chunk, DecodePlan, Sequence
 from inference_svc.engine.types import GenerateParams
@@ -50,11 +52,23 @@ def random_logits(batch: int, vocab: int, gen: torch.Generator, device: torch.de
 
 
 class GenerateRunner:
-    def __init__(self, model: GenerativeModel, sampler: Sampler, mode: LogprobsMode) -> None:
+    """Pads the scheduler's plan to the model's buckets and runs it; also runs a dummy step
+    at any declared shape (PROFILE, COMPILE)."""
+
+    def __init__(
+        self, model: GenerativeModel, sampler: Sampler, mode: LogprobsMode, buckets: GenBuckets
+    ) -> None:
         self.model = model
         self.sampler = sampler
         self.logprobs_mode = mode
+        self._buckets = buckets
         self._logits: Tensor | None = None  # [rows, vocab]
+        self.request_shapes: set[Bucket] = set()  # what requests ran (tests check vs Describe)
+
+    @property
+    def buckets(self) -> GenBuckets:
+        """The shapes, with the KV cache's rows as they are now."""
+        return self._buckets.with_rows(self.model.cache_rows)
 
     def rows(self) -> int:
         """KV-cache rows (0 before PROFILE or --kv-cache-tokens sized the cache)."""
@@ -63,9 +77,10 @@ class GenerateRunner:
             self._logits = torch.zeros(m.cache_rows, m.lm.shape.vocab_size, device=m.device)
         return m.cache_rows
 
+    # -- a request's steps --------------------------------------------------------------
     def prefill(self, chunk: Chunk) -> None:
         seq = chunk.seq
-        logits = self.model.prefill(seq.row, chunk.ids, chunk.start, Origin.REQUEST)
+        logits = self.pad_prefill(seq.row, chunk.ids, chunk.start, Origin.REQUEST)
         if chunk.last:
             assert self._logits is not None
             self._logits[seq.row] = logits[0]
@@ -75,7 +90,7 @@ class GenerateRunner:
         when seeded, its own generator (made at its first token)."""
         m = self.model
         assert self._logits is not None
-        batch = m.batch_bucket(max(s.row for s in seqs) + 1)
+        batch = self.buckets.batch_for(max(s.row for s in seqs) + 1)
         params: list[GenerateParams | None] = [None] * batch
         gens: dict[int, torch.Generator] = {}
         for s in seqs:
@@ -104,15 +119,56 @@ class GenerateRunner:
         """One step for the rows that go on; every other row below the batch bucket is
         padding that writes its own next free slot (a prefilling row's next chunk, or a
         free row's slot 0), which nobody attends to before it is written again."""
-        m = self.model
-        batch = m.batch_bucket(plan.top_row + 1)
-        tokens = [m.pad_id] * batch
+        batch = self.buckets.batch_for(plan.top_row + 1)
+        tokens = [self.model.pad_id] * batch
         positions = [0] * batch
         for row, slot in plan.positions.items():
             if row < batch:
                 positions[row] = slot
         for row, token in plan.tokens.items():
             tokens[row] = token
-        logits = m.decode(torch.tensor(tokens), positions, Origin.REQUEST)
+        logits = self.pad_decode(tokens, positions, Origin.REQUEST)
         assert self._logits is not None
         self._logits[:batch] = logits
+
+    # -- padding ------------------------------------------------------------------------
+    def pad_prefill(self, row: int, ids: list[int], start: int, origin: Origin) -> Tensor:
+        """One chunk of a prompt into cache ``row`` from slot ``start``, right-padded to a
+        chunk bucket: the padding writes the next free slots, which the next chunk or
+        decode overwrites before anyone attends to them."""
+        shape = self.buckets.chunk_shape(start, len(ids))
+        width, slots = shape.seq_len, self.model.limits.max_seq_len
+        tokens = torch.full((1, width), self.model.pad_id, dtype=torch.long)
+        tokens[0, : len(ids)] = torch.tensor(ids)
+        positions = (torch.arange(width) + start).clamp(max=slots - 1)[None]
+        last = torch.tensor([len(ids) - 1])
+        self._seen(shape, origin)
+        return self.model.prefill(row, tokens, positions, last, shape, origin)
+
+    def pad_decode(self, tokens: list[int], positions: list[int], origin: Origin) -> Tensor:
+        """A step over cache rows [0, len(tokens)), padded to a batch bucket with rows that
+        write slot 0 of rows nobody reads."""
+        shape = self.buckets.decode_shape(len(positions), max(positions))
+        pad = shape.batch_size - len(positions)
+        ids = torch.tensor(tokens + [self.model.pad_id] * pad)[:, None]
+        pos = torch.tensor(positions + [0] * pad)[:, None]
+        self._seen(shape, origin)
+        return self.model.decode(ids, pos, shape, origin)
+
+    def _seen(self, shape: Bucket, origin: Origin) -> None:
+        if origin is Origin.REQUEST:
+            self.request_shapes.add(shape)
+
+    # -- dummy steps (warmup) -----------------------------------------------------------
+    def run_shape(self, bucket: Bucket, gen: torch.Generator) -> Tensor:
+        """A step of random tokens at ``bucket``: a chunk into row 0 ending at its context,
+        or a decode over rows at random slots, the highest at the last one."""
+        vocab = self.model.lm.shape.vocab_size
+        if bucket.phase is Phase.PREFILL:
+            ids = torch.randint(0, vocab, (bucket.seq_len,), generator=gen).tolist()
+            start = max(0, min(bucket.context_len, self.model.limits.max_seq_len) - bucket.seq_len)
+            return self.pad_prefill(0, ids, start, Origin.WARMUP)
+        tokens = torch.randint(0, vocab, (bucket.batch_size,), generator=gen).tolist()
+        positions = torch.randint(0, bucket.context_len, (bucket.batch_size,), generator=gen)
+        positions[0] = bucket.context_len - 1
+        return self.pad_decode(tokens, positions.tolist(), Origin.WARMUP)

@@ -1,24 +1,30 @@
 """The model runtime interface: what the engine needs of each loaded model.
 
 A runtime owns one model, its inbox and turn on the compute thread, the shape buckets it
-batches into and the set of those already compiled. The engine routes requests and warmup steps to
-runtimes by name and knows nothing else about them: a new kind of model is a new
-runtime (one file) and a line in the factory.
+batches into and the set of those already compiled. The engine routes warmup steps to
+runtimes by name and requests by the RPC each answers, and knows nothing else about them:
+a new kind of model is a module (its runtime and its ``ModelKindEntry``) and a line in
+engine/registry.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
 from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.config import ServiceConfig
+from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.types import RuntimeInfo
+from inference_svc.models.compile import ModelContext
+from inference_svc.models.loading import pick_device, pick_dtype
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -58,6 +64,45 @@ def timed(monitor: CompileMonitor, report: StepReport, fn: Callable[[], None]) -
     return report
 
 
+@dataclass(frozen=True)
+class LoadEnv:
+    """What the engine hands every model kind's loader."""
+
+    config: ServiceConfig
+    monitor: CompileMonitor
+    compute: ComputeThread
+
+
+@dataclass(frozen=True)
+class ModelKindEntry:
+    """A kind of model the service can load: registered once, in engine/registry.py."""
+
+    name: str  # the runtime's name: Describe, Warmup and the compile monitor use it
+    setting: str  # the ServiceConfig field naming the model ("none" leaves it out)
+    rpc: str  # the Inference RPC its runtime answers ("Embed"); "" for none
+    resolve: Callable[[str], Path]  # the model's directory from that setting
+    load: Callable[[LoadEnv, Path], ModelRuntime]  # blocking: runs on the compute thread
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.setting.replace("_", "-")
+
+    def model(self, config: ServiceConfig) -> str | None:
+        """What ``config`` names for this kind; None when it is turned off."""
+        value = getattr(config, self.setting)
+        return None if value == "none" else value
+
+
+def model_context(name: str, env: LoadEnv) -> ModelContext:
+    """The settings a model of runtime ``name`` is built with."""
+    c = env.config
+    device = pick_device(c.device)
+    return ModelContext(
+        name, c.compilation_mode, env.monitor, device, pick_dtype(c.dtype, device),
+        c.freeze_weights,
+    )  # fmt: skip
+
+
 @runtime_checkable
 class ModelRuntime(Protocol):
     """One loaded model, as the engine sees it."""
@@ -68,6 +113,17 @@ class ModelRuntime(Protocol):
 
     @property
     def kind(self) -> ModelKind: ...
+
+    @property
+    def rpc(self) -> str:
+        """The Inference RPC it answers ("Embed", "Generate"), or "" for none."""
+
+    @property
+    def limits(self) -> Any:
+        """What a request may ask of it (``wire`` checks each request against them)."""
+
+    def serve(self, params: Any) -> AsyncIterator[Any]:
+        """Answer one request: its results as they come (one for Embed, chunks for Generate)."""
 
     @property
     def display_name(self) -> str:

@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from itertools import product
 
 import torch
 
 from inference_api.plan import Bucket, CompilationMode, LogprobsMode, Phase, SamplerPath, StepKind
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.engine.memory import available_bytes, peak_during
-from inference_svc.engine.runner import random_logits, request_generator, sampling_metadata
+from inference_svc.engine.runner import (
+    GenerateRunner,
+    random_logits,
+    request_generator,
+    sampling_metadata,
+)
 from inference_svc.engine.runtime import StepReport, timed
 from inference_svc.engine.types import GenerateParams
 from inference_svc.errors import ResourceExhausted
-from inference_svc.models.compile import bucket_for
-from inference_svc.models.embedding import EmbeddingModel
-from inference_svc.models.generative import GenerativeModel
 from inference_svc.sampling import MAX_LOGPROBS, Sampler
 
 log = logging.getLogger(__name__)
@@ -29,39 +30,16 @@ WARMUP_SEED = 1234  # the warmup's own generator: the global random state is unt
 NOTHING_COMPILES = "compilation mode NONE: nothing compiles"
 
 
-def embed_buckets(m: EmbeddingModel) -> tuple[Bucket, ...]:
-    return tuple(Bucket(Phase.EMBED, b, n) for b, n in product(m.batch_buckets, m.length_buckets))
-
-
-def generative_buckets(m: GenerativeModel) -> tuple[Bucket, ...]:
-    """Every shape the scheduler can run: a prefill chunk (one row) of each chunk bucket
-    against each context bucket that can hold it, and a decode step of each batch bucket
-    against each context bucket."""
-    rows = m.usable_batch_buckets() if m.cache_rows else m.batch_buckets
-    slots = m.limits.max_seq_len
-    # A chunk starts at a multiple of the chunk limit and ends by the prompt's last chunk.
-    limit = m.chunk_buckets[-1]
-    furthest = bucket_for(
-        min(-(-m.limits.max_input_tokens // limit) * limit, slots), m.context_buckets
-    )
-    prefill = [
-        Bucket(Phase.PREFILL, 1, c, ctx)
-        for c, ctx in product(m.chunk_buckets, m.context_buckets)
-        if bucket_for(min(c, slots), m.context_buckets) <= ctx <= furthest
-    ]
-    decode = [Bucket(Phase.DECODE, b, 1, ctx) for b, ctx in product(rows, m.context_buckets)]
-    return (*prefill, *decode)
-
-
 def profile(
-    m: GenerativeModel,
+    runner: GenerateRunner,
     fraction: float,
     compiled: set[Bucket],
     monitor: CompileMonitor,
     loaded: bool = False,
 ) -> StepReport:
-    """Size the KV cache from a profile forward at the largest shape. ``loaded``: the
+    """Size the KV cache from a profile forward at the largest shapes. ``loaded``: the
     graphs came from kept artifacts, so the measured run is also their first."""
+    m = runner.model
     if m.cache_rows:
         report = StepReport.skip(
             m.name, StepKind.PROFILE, f"KV cache already sized: {m.kv_cache_tokens} tokens"
@@ -70,18 +48,17 @@ def profile(
         return report
     report = StepReport(m.name, StepKind.PROFILE)
     gen = torch.Generator().manual_seed(WARMUP_SEED)
+    seq_len = m.limits.max_seq_len
 
     def run() -> None:
-        m.allocate_cache(m.limits.max_batch * m.limits.max_seq_len)
+        b = runner.buckets
+        m.allocate_cache(b.batch[-1])
         cache_bytes = m.kv_cache_tokens * m.kv_bytes_per_token()
-        # The largest shapes: a decode step over every row, a full chunk at full context.
-        batch, context = m.batch_buckets[-1], m.context_buckets[-1]
-        chunk = [b for b in generative_buckets(m) if b.phase is Phase.PREFILL][-1]
-        largest = (Bucket(Phase.DECODE, batch, 1, context), chunk)
+        largest = b.largest()
 
         def forwards() -> None:
-            m.dummy_decode(batch, context, gen)
-            m.dummy_prefill(chunk.seq_len, chunk.context_len, gen)
+            for bucket in largest:
+                runner.run_shape(bucket, gen)
 
         compiles = m.mode is not CompilationMode.NONE
         if compiles and not loaded:
@@ -95,20 +72,21 @@ def profile(
             compiled.update(largest)
         report.buckets.extend(largest)
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
-        fits = max(budget, 0) // (m.kv_bytes_per_token() * m.limits.max_seq_len)
-        rows = min(m.limits.max_batch, fits)
-        if rows < 2:
-            m.k_cache = m.v_cache = None
+        fits = max(budget, 0) // (m.kv_bytes_per_token() * seq_len)
+        try:
+            rows = b.rows_for(min(b.batch[-1], fits) * seq_len)
+        except ValueError:
+            m.free_cache()
             raise ResourceExhausted(
-                f"KV cache: {budget} bytes available hold {rows} sequences of "
-                f"{m.limits.max_seq_len} tokens, fewer than 2; free memory, raise "
+                f"KV cache: {budget} bytes available hold {fits} sequences of "
+                f"{seq_len} tokens, fewer than 2; free memory, raise "
                 "--kv-cache-memory-fraction or lower --max-new-tokens"
-            )
+            ) from None
         if rows < m.cache_rows:
-            m.allocate_cache(rows * m.limits.max_seq_len)
+            m.allocate_cache(rows)
         report.kv_cache_tokens = m.kv_cache_tokens
         report.detail = (
-            f"activation peak {peak / 2**20:.0f} MiB at decode {batch} rows, {chunk}; "
+            f"activation peak {peak / 2**20:.0f} MiB at {largest[0]}, {largest[1]}; "
             f"KV cache {m.kv_cache_tokens} tokens ({m.cache_rows} sequences)"
         )
 
@@ -169,27 +147,29 @@ def _warm_params(path: SamplerPath, row: int) -> GenerateParams:
 
 
 def warm_sampler(
-    m: GenerativeModel,
+    runner: GenerateRunner,
     sampler: Sampler,
     paths: list[SamplerPath],
     mode: LogprobsMode,
     monitor: CompileMonitor,
 ) -> StepReport:
     """Sample from random logits on each path, at every batch bucket."""
+    m = runner.model
     if m.mode is CompilationMode.NONE:
         return StepReport.skip(m.name, StepKind.SAMPLER, NOTHING_COMPILES)
     report = StepReport(m.name, StepKind.SAMPLER)
+    batches = runner.buckets.decode_batch
     gen = torch.Generator().manual_seed(WARMUP_SEED)
     vocab = m.lm.shape.vocab_size
 
     def run() -> None:
         for path in paths:
-            for batch in m.usable_batch_buckets():
+            for batch in batches:
                 params = [_warm_params(path, row) for row in range(batch)]
                 gens = {i: g for i, p in enumerate(params) if (g := request_generator(p, m.device))}
                 md = sampling_metadata(list(params), gens, m.device, mode)
                 sampler(random_logits(batch, vocab, gen, m.device), md)
             report.sampler_paths.append(path)
-        report.detail = f"{len(paths)} paths x batch {list(m.usable_batch_buckets())}"
+        report.detail = f"{len(paths)} paths x batch {list(batches)}"
 
     return timed(monitor, report, run)

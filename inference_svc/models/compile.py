@@ -1,18 +1,17 @@
-"""How a model function is compiled under each compilation mode."""
+"""What every model is built with, and how a model function is compiled under each mode."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch._inductor.config as inductor_config
 
 from inference_api.plan import CompilationMode
-
-# Whether compiled graphs freeze the weights (--freeze-weights): set once at start.
-_FREEZE = {"weights": False}
+from inference_svc.compile_monitor import CompileMonitor
 
 _MODES = {
     CompilationMode.DEFAULT: "default",
@@ -20,27 +19,39 @@ _MODES = {
 }
 
 
-def set_freezing(freeze: bool) -> None:
-    """Freeze weights into the graphs that compile_fn makes from now on (or not)."""
-    _FREEZE["weights"] = freeze
+@dataclass(frozen=True)
+class ModelContext:
+    """One model's settings, passed whole to its loader and its class."""
+
+    name: str  # the runtime's name: what Describe, Warmup and the compile monitor call it
+    mode: CompilationMode
+    monitor: CompileMonitor
+    device: torch.device
+    dtype: torch.dtype
+    freeze: bool = False  # --freeze-weights: weights become constants of compiled graphs
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return compile_fn(fn, self.mode, self.freeze)
 
 
-def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., Any]:
+def compile_fn(
+    fn: Callable[..., Any], mode: CompilationMode, freeze: bool = False
+) -> Callable[..., Any]:
     """``fn`` itself in mode NONE, else ``torch.compile(fn)`` with dynamic shapes. CUDA
     graphs stay off: the KV cache is written in place between calls.
 
-    With set_freezing(True) the weights become constants of the graph, so inductor folds
-    what depends only on them and prepacks linear weights for oneDNN/MKL (faster steps),
-    but torch 2.13 caches no frozen graph (AOTAutograd bypasses it, the FX graph cache
-    cannot pickle prepacked mkldnn weights, Dynamo packages refuse it): every start
-    compiles again. Freezing is set around each call (the compile happens inside the
-    first): torch 2.13 ignores ``freezing`` passed as a torch.compile option, and its
-    config is per thread. Freezing needs the callers' ``torch.inference_mode``.
+    With ``freeze`` the weights become constants of the graph, so inductor folds what
+    depends only on them and prepacks linear weights for oneDNN/MKL (faster steps), but
+    torch 2.13 caches no frozen graph (AOTAutograd bypasses it, the FX graph cache cannot
+    pickle prepacked mkldnn weights, Dynamo packages refuse it): every start compiles again.
+    Freezing is set around each call (the compile happens inside the first): torch 2.13
+    ignores ``freezing`` passed as a torch.compile option, and its config is per thread.
+    Freezing needs the callers' ``torch.inference_mode``.
     """
     if mode is CompilationMode.NONE:
         return fn
     compiled = torch.compile(fn, dynamic=True, mode=_MODES[mode], fullgraph=False)
-    if not _FREEZE["weights"]:
+    if not freeze:
         return compiled
 
     @functools.wraps(fn)
@@ -49,30 +60,3 @@ def compile_fn(fn: Callable[..., Any], mode: CompilationMode) -> Callable[..., A
             return compiled(*args)
 
     return frozen
-
-
-def length_buckets(limit: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` up to ``limit`` (``limit`` itself last)."""
-    out: list[int] = []
-    n = smallest
-    while n < limit:
-        out.append(n)
-        n *= 2
-    out.append(limit)
-    return tuple(out)
-
-
-def batch_buckets(limit: int, mode: CompilationMode) -> tuple[int, ...]:
-    """Powers of two up to ``limit``. Compiled, from 2: a batch of 1 is padded to 2, so no
-    size-1 specialisation is left to compile later. Eager, from 1: nothing compiles, and
-    on a CPU one row costs much less than two (a matrix-vector product)."""
-    if mode is CompilationMode.NONE:
-        return length_buckets(limit, smallest=1)
-    return length_buckets(max(limit, 2), smallest=2)
-
-
-def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
-    for b in buckets:
-        if n <= b:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

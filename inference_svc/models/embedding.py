@@ -10,9 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from inference_api.plan import CompilationMode
-from inference_svc.compile_monitor import CompileMonitor, Origin
-from inference_svc.models.compile import batch_buckets, compile_fn, length_buckets
+from inference_svc.compile_monitor import Origin
+from inference_svc.models.compile import ModelContext
 from inference_svc.models.loading import offline
 from inference_svc.models.weights import numerics
 
@@ -59,30 +58,19 @@ class EmbeddingModel:
     has_kv_cache = False
 
     def __init__(
-        self,
-        name: str,
-        pooled: _Pooled,
-        tokenizer: object,
-        max_input_tokens: int,
-        max_batch: int,
-        mode: CompilationMode,
-        monitor: CompileMonitor,
+        self, ctx: ModelContext, pooled: _Pooled, tokenizer: object, max_input_tokens: int
     ) -> None:
-        self.name = name
+        self.ctx = ctx
+        self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
-        self.max_batch = max_batch
-        self.mode = mode
-        self.monitor = monitor
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.numerics = numerics(self.dtype, "same")
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
-        self.batch_buckets = batch_buckets(max_batch, mode)
-        self.length_buckets = length_buckets(max_input_tokens)
         self.pad_id = tokenizer.pad_token_id or 0
-        self._forward = compile_fn(pooled, mode)
+        self._forward = ctx.compile(pooled)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids per text, untruncated (the caller checks the limit)."""
@@ -109,22 +97,14 @@ class EmbeddingModel:
         return self.forward(ids, mask, Origin.WARMUP)
 
 
-def load_embedding(
-    name: str,
-    directory: Path,
-    max_batch: int,
-    mode: CompilationMode,
-    monitor: CompileMonitor,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> EmbeddingModel:
+def load_embedding(ctx: ModelContext, directory: Path) -> EmbeddingModel:
     from transformers import AutoModel, AutoTokenizer
 
     offline()
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    encoder = AutoModel.from_pretrained(str(directory), local_files_only=True, dtype=dtype)
+    encoder = AutoModel.from_pretrained(str(directory), local_files_only=True, dtype=ctx.dtype)
     st_limit = _read_json(directory / "sentence_bert_config.json").get("max_seq_length")
     limit = int(st_limit or encoder.config.max_position_embeddings)
     limit = min(limit, encoder.config.max_position_embeddings)
-    pooled = _Pooled(encoder, pooling_mode(directory)).to(device).eval()
-    return EmbeddingModel(name, pooled, tokenizer, limit, max_batch, mode, monitor)
+    pooled = _Pooled(encoder, pooling_mode(directory)).to(ctx.device).eval()
+    return EmbeddingModel(ctx, pooled, tokenizer, limit)
