@@ -18,7 +18,7 @@ from tests.models import build_tiny_embedder, build_tiny_lm
 from tests.rpc import Clients, serving
 
 if TYPE_CHECKING:
-    from inference_svc.app import Service
+    pass
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Hermetic compiles: no test (in process or a child process) loads or keeps compiled
@@ -54,16 +54,6 @@ def tiny_args(tiny_embed_dir: Path, tiny_lm_dir: Path, *extra: str) -> list[str]
         "4",
         *extra,
     ]
-
-
-async def start_service(args: list[str]) -> tuple[Service, Clients]:
-    """A started service and its clients; the caller stops both. Prefer ``serving(args)``."""
-    from inference_svc.app import Service
-    from inference_svc.config import parse_config
-
-    service = Service(parse_config(args))
-    await service.start()
-    return service, Clients.connect(service.port, service.admin_port)
 
 
 @pytest_asyncio.fixture(scope="session")

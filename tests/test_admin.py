@@ -13,15 +13,14 @@ from inference_api.plan import StepKind
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_svc import __version__
 from inference_svc.engine.runtime import ModelRuntime
-from tests.conftest import start_service, tiny_args
+from tests.conftest import tiny_args
+from tests.rpc import serving
 
 pytestmark = pytest.mark.rpc
 
 
 async def test_describe_carries_the_services_plan_skips_and_version(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
-        await service.loaded()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), loaded=True) as (service, c):
         assert all(isinstance(r, ModelRuntime) for r in service.engine.runtimes.values())
         described = await c.admin.Describe(apb.DescribeRequest())
         assert described.version == __version__
@@ -45,9 +44,6 @@ async def test_describe_carries_the_services_plan_skips_and_version(tiny_embed_d
         assert described.required_steps[0].done
         lm = next(m for m in described.models if m.name == "generative")
         assert lm.kv_cache_tokens > 0 and lm.kv_cache_sizing == apb.KV_CACHE_SIZING_AUTOMATIC
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 BAD_WARMUPS = [
@@ -66,23 +62,16 @@ BAD_WARMUPS = [
 
 
 async def test_warmup_refuses_what_it_cannot_take(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
-        await service.loaded()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), loaded=True) as (_, c):
         for request, message in BAD_WARMUPS:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await c.admin.Warmup(request)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, message
             assert message in info.value.details()
-    finally:
-        await c.close()
-        await service.stop(0)
 
 
 async def test_a_serving_service_refuses_a_stray_reseed_or_mark(tiny_embed_dir, tiny_lm_dir):
-    service, c = await start_service(tiny_args(tiny_embed_dir, tiny_lm_dir))
-    try:
-        await service.loaded()
+    async with serving(tiny_args(tiny_embed_dir, tiny_lm_dir), loaded=True) as (_, c):
         await c.warm_and_serve()
         for call in (
             c.admin.Reseed(apb.ReseedRequest(seed=9)),
@@ -96,6 +85,3 @@ async def test_a_serving_service_refuses_a_stray_reseed_or_mark(tiny_embed_dir, 
         assert (await c.admin.Reseed(apb.ReseedRequest(seed=9, rewarm=True))).seed == 9
         assert (await c.admin.MarkServing(apb.MarkServingRequest(rewarm=True))).serving
         assert await c.status("inference.v1.Inference") == health_pb2.HealthCheckResponse.SERVING
-    finally:
-        await c.close()
-        await service.stop(0)

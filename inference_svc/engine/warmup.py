@@ -48,7 +48,6 @@ def profile(
         return report
     report = StepReport(m.name, StepKind.PROFILE)
     gen = torch.Generator().manual_seed(WARMUP_SEED)
-    seq_len = m.limits.max_seq_len
 
     def run() -> None:
         b = runner.buckets
@@ -72,18 +71,7 @@ def profile(
             compiled.update(largest)
         report.buckets.extend(largest)
         budget = int((available_bytes(m.device) + cache_bytes) * fraction) - peak
-        fits = max(budget, 0) // (m.kv_bytes_per_token() * seq_len)
-        try:
-            rows = b.rows_for(min(b.batch[-1], fits) * seq_len)
-        except ValueError:
-            m.free_cache()
-            raise ResourceExhausted(
-                f"KV cache: {budget} bytes available hold {fits} sequences of "
-                f"{seq_len} tokens, fewer than 2; free memory, raise "
-                "--kv-cache-memory-fraction or lower --max-new-tokens"
-            ) from None
-        if rows < m.cache_rows:
-            m.allocate_cache(rows)
+        _shrink_cache(runner, budget)
         report.kv_cache_tokens = m.kv_cache_tokens
         report.detail = (
             f"activation peak {peak / 2**20:.0f} MiB at {largest[0]}, {largest[1]}; "
@@ -91,6 +79,24 @@ def profile(
         )
 
     return timed(monitor, report, run)
+
+
+def _shrink_cache(runner: GenerateRunner, budget: int) -> None:
+    """Reallocate the KV cache to the rows ``budget`` bytes hold (whole batch buckets)."""
+    m, b = runner.model, runner.buckets
+    seq_len = m.limits.max_seq_len
+    fits = max(budget, 0) // (m.kv_bytes_per_token() * seq_len)
+    try:
+        rows = b.rows_for(min(b.batch[-1], fits) * seq_len)
+    except ValueError:
+        m.free_cache()
+        raise ResourceExhausted(
+            f"KV cache: {budget} bytes available hold {fits} sequences of {seq_len} tokens, "
+            "fewer than 2; free memory, raise --kv-cache-memory-fraction or lower "
+            "--max-new-tokens"
+        ) from None
+    if rows < m.cache_rows:
+        m.allocate_cache(rows)
 
 
 def compile_buckets(
