@@ -14,9 +14,9 @@ MAX_TEXT_CHARS = 100_000
 class EmbedLimits:
     """What an Embed request may ask of the embedding model."""
 
-    max_batch: int
-    max_input_tokens: int
-    dimensions: int
+    max_batch: int  # most inputs in one call (--embed-max-batch)
+    max_input_tokens: int  # longest input, in tokens (longer: truncated or refused)
+    dimensions: int  # the model's embedding width: most dimensions a call may ask
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,12 @@ whose ConversionError is answered as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 from google.protobuf import message_factory
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from inference_svc.engine.core import Engine
 
 log = logging.getLogger(__name__)
+M = TypeVar("M")
 
 HEALTH_SERVING = health_pb2.HealthCheckResponse.SERVING
 HEALTH_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -255,21 +257,20 @@ def generate_response(chunks: Sequence[GenChunk], model: str) -> pb.GenerateResp
     return out
 
 
+def _message(cls: type[M], source: object, omit: tuple[str, ...] = (), **converted: Any) -> M:
+    """A message from a dataclass: each field copied to the message's field of the same
+    name, except those ``converted`` (given here) and those omitted."""
+    plain = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(source)  # type: ignore[arg-type]
+        if f.name not in converted and f.name not in omit
+    }
+    return cls(**plain, **converted)
+
+
 def _model_info(i: RuntimeInfo) -> pb.ModelInfo:
-    return pb.ModelInfo(
-        name=i.name,
-        kind=convert.to_pb(i.kind),
-        dimensions=i.dimensions,
-        max_input_tokens=i.max_input_tokens,
-        max_batch_size=i.max_batch_size,
-        max_new_tokens=i.max_new_tokens,
-        has_kv_cache=i.has_kv_cache,
-        vocab_size=i.vocab_size,
-        dtype=i.dtype,
-        device=i.device,
-        compilation_mode=convert.to_pb(i.compilation_mode),
-        late_compile_events=i.late_compile_events,
-    )
+    mode = convert.to_pb(i.compilation_mode)
+    return _message(pb.ModelInfo, i, kind=convert.to_pb(i.kind), compilation_mode=mode)
 
 
 def info_response(engine: Engine, version: str) -> pb.InfoResponse:
@@ -304,18 +305,12 @@ def describe_response(engine: Engine, version: str) -> apb.DescribeResponse:
 
 
 def warmup_response(r: StepReport) -> apb.WarmupResponse:
-    return apb.WarmupResponse(
-        model=r.model,
+    return _message(
+        apb.WarmupResponse, r, omit=("buckets",),
         step=convert.to_pb(r.step),
-        skipped=r.skipped,
-        skip_reason=r.skip_reason,
         shapes=[convert.bucket_to_pb(b) for b in r.buckets],
         sampler_paths=[convert.to_pb(p) for p in r.sampler_paths],
-        seconds=r.seconds,
-        compile_events=r.compile_events,
-        kv_cache_tokens=r.kv_cache_tokens,
-        detail=r.detail,
-    )
+    )  # fmt: skip
 
 
 def reseed_response(seed: int) -> apb.ReseedResponse:

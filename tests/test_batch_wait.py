@@ -34,7 +34,7 @@ class Recorder:
     def __init__(self, batch_wait_s: float) -> None:
         self.inbox: Inbox[Job] = Inbox("recorder", 64, ComputeThread())
         self.batcher = Batcher(
-            "recorder", self.inbox, self.run_batch, self.fail, capacity=8,
+            self.inbox, self.run_batch, self.fail, capacity=8,
             batch_wait_s=batch_wait_s,
         )  # fmt: skip
         self.batches: list[int] = []

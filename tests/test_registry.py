@@ -60,7 +60,7 @@ class HashRuntime(RuntimeBase):
         self.mode = env.config.compilation_mode
         self.limits = EmbedLimits(max_batch=8, max_input_tokens=64, dimensions=DIMS)
         self.batches: list[int] = []
-        self.batcher = Batcher("hash", inbox, self._run, self._fail, capacity=8)
+        self.batcher = Batcher(inbox, self._run, self._fail, capacity=8)
 
     def _run(self, jobs: list[Job]) -> None:
         self.batches.append(len(jobs))

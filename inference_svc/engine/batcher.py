@@ -22,7 +22,6 @@ class Batcher(Generic[J]):
 
     def __init__(
         self,
-        name: str,
         inbox: Inbox[J],
         run_batch: Callable[[list[J]], None],
         fail: Callable[[J, BaseException], None],
@@ -30,8 +29,7 @@ class Batcher(Generic[J]):
         rows_of: Callable[[J], int] = lambda job: 1,
         batch_wait_s: float = 0.0,
     ) -> None:
-        self.name = name
-        self.inbox = inbox
+        self.name, self.inbox = inbox.name, inbox
         self.run_batch = run_batch
         self.fail = fail
         self.capacity = capacity

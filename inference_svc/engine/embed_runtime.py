@@ -25,7 +25,6 @@ from inference_svc.engine.runtime import (
     ModelKindEntry,
     RuntimeBase,
     StepReport,
-    model_context,
 )
 from inference_svc.engine.types import EmbedParams, EmbedResult, RuntimeInfo
 from inference_svc.errors import InvalidArgument
@@ -114,7 +113,7 @@ class EmbeddingRuntime(RuntimeBase):
         self.shapes = EmbedBuckets.plan(max_batch, model.max_input_tokens, model.mode)
         self._run = functools.partial(run_batch, model, self.shapes)
         self.batcher = Batcher(
-            model.name, inbox, self._run, fail,
+            inbox, self._run, fail,
             capacity=max_batch, rows_of=lambda job: len(job.ids), batch_wait_s=batch_wait_s,
         )  # fmt: skip
         self.limits = EmbedLimits(max_batch, model.max_input_tokens, model.dimensions)
@@ -179,25 +178,16 @@ class EmbeddingRuntime(RuntimeBase):
 
     def info(self) -> RuntimeInfo:
         m = self.model
-        return RuntimeInfo(
-            name=self.display_name,
-            kind=self.kind,
-            dimensions=m.dimensions,
-            max_input_tokens=m.max_input_tokens,
-            max_batch_size=self.limits.max_batch,
-            max_new_tokens=0,
-            has_kv_cache=False,
+        return self._info(
+            m, dimensions=m.dimensions, max_input_tokens=m.max_input_tokens,
+            max_batch_size=self.limits.max_batch, max_new_tokens=0, has_kv_cache=False,
             vocab_size=m.vocab_size,
-            dtype=m.numerics,
-            device=str(m.device),
-            compilation_mode=m.mode,
-            late_compile_events=self.monitor.late_by_model[self.name],
-        )
+        )  # fmt: skip
 
 
 def load(env: LoadEnv, directory: Path) -> EmbeddingRuntime:
     c = env.config
-    model = load_embedding(model_context(NAME, env), directory)
+    model = load_embedding(env.context(NAME), directory)
     model.warm_text()
     return EmbeddingRuntime(
         model, display_name(c.embed_model, directory), c.max_queue, env.monitor, env.compute,

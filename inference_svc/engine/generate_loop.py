@@ -24,17 +24,13 @@ log = logging.getLogger(__name__)
 class GenerateLoop:
     def __init__(
         self,
-        name: str,
         inbox: Inbox[Sequence],
         scheduler: Scheduler,
         runner: GenerateRunner,
         output: OutputStage,
     ) -> None:
-        self.name = name
-        self.inbox = inbox
-        self.scheduler = scheduler
-        self.runner = runner
-        self.output = output
+        self.name, self.inbox = inbox.name, inbox
+        self.scheduler, self.runner, self.output = scheduler, runner, output
         self._calls: deque[Call] = deque()
         inbox.waiting = lambda: len(scheduler.waiting)
         inbox.compute.register(self)

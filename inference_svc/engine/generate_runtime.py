@@ -34,7 +34,6 @@ from inference_svc.engine.runtime import (
     ModelKindEntry,
     RuntimeBase,
     StepReport,
-    model_context,
 )
 from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
@@ -80,7 +79,7 @@ class GenerativeRuntime(RuntimeBase):
         self.runner = GenerateRunner(model, self.sampler, logprobs_mode, buckets)
         self.scheduler = Scheduler(model.limits.prefill_chunk, model.eos_ids)
         output = OutputStage(self._text, model.detokenize, model.token_text)
-        self.loop = GenerateLoop(model.name, inbox, self.scheduler, self.runner, output)
+        self.loop = GenerateLoop(inbox, self.scheduler, self.runner, output)
         self.model = model
         self.logprobs_mode = logprobs_mode
         self.kv_cache = kv_cache
@@ -185,21 +184,13 @@ class GenerativeRuntime(RuntimeBase):
         return ids
 
     def info(self) -> RuntimeInfo:
-        m = self.model
-        return RuntimeInfo(
-            name=self.display_name,
-            kind=self.kind,
-            dimensions=m.lm.shape.hidden_size,
-            max_input_tokens=m.limits.max_input_tokens,
+        m, shape = self.model, self.model.lm.shape
+        return self._info(
+            m, dimensions=shape.hidden_size, max_input_tokens=m.limits.max_input_tokens,
             max_batch_size=max(m.cache_rows, 0) or m.limits.max_batch,
-            max_new_tokens=m.limits.max_new_tokens,
-            has_kv_cache=True,
-            vocab_size=m.lm.shape.vocab_size,
-            dtype=m.numerics,
-            device=str(m.device),
-            compilation_mode=m.mode,
-            late_compile_events=self.monitor.late_by_model[self.name],
-        )
+            max_new_tokens=m.limits.max_new_tokens, has_kv_cache=True,
+            vocab_size=shape.vocab_size,
+        )  # fmt: skip
 
 
 def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
@@ -208,7 +199,7 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
         c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
     )
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
-    model = load_generative(model_context(NAME, env), directory, limits, cache, c.lm_weights)
+    model = load_generative(env.context(NAME), directory, limits, cache, c.lm_weights)
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)
     return GenerativeRuntime(

@@ -72,6 +72,13 @@ class LoadEnv:
     monitor: CompileMonitor
     compute: ComputeThread
 
+    def context(self, name: str) -> ModelContext:
+        """The settings the model of runtime ``name`` is built with."""
+        c = self.config
+        device = pick_device(c.device)
+        dtype = pick_dtype(c.dtype, device)
+        return ModelContext(name, c.compilation_mode, self.monitor, device, dtype, c.freeze_weights)
+
 
 @dataclass(frozen=True)
 class ModelKindEntry:
@@ -91,16 +98,6 @@ class ModelKindEntry:
         """What ``config`` names for this kind; None when it is turned off."""
         value = getattr(config, self.setting)
         return None if value == "none" else value
-
-
-def model_context(name: str, env: LoadEnv) -> ModelContext:
-    """The settings a model of runtime ``name`` is built with."""
-    c = env.config
-    device = pick_device(c.device)
-    return ModelContext(
-        name, c.compilation_mode, env.monitor, device, pick_dtype(c.dtype, device),
-        c.freeze_weights,
-    )  # fmt: skip
 
 
 @runtime_checkable
@@ -191,6 +188,14 @@ class RuntimeBase:
 
     async def touch(self) -> None:
         return None
+
+    def _info(self, model: Any, **fields: Any) -> RuntimeInfo:
+        """What every runtime's Info says, and ``fields``: what only this kind says."""
+        return RuntimeInfo(
+            name=self.display_name, kind=self.kind, dtype=model.numerics, device=str(model.device),
+            compilation_mode=model.mode, late_compile_events=self.monitor.late_by_model[self.name],
+            **fields,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.inbox.stop()

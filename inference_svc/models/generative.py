@@ -30,12 +30,9 @@ class _Prefill(torch.nn.Module):
         return self.lm.prefill(*args)
 
 
-class _Decode(torch.nn.Module):
-    """The LM's decode step as a module of its own (see GenerativeModel.__init__)."""
-
-    def __init__(self, lm: LlamaLM) -> None:
-        super().__init__()
-        self.lm = lm
+class _Decode(_Prefill):
+    """The LM's decode step as a module of its own: a class of its own, since torch keys a
+    kept Dynamo package on the forward's qualified name."""
 
     def forward(self, *args: Tensor | list[Tensor]) -> Tensor:
         return self.lm.decode(*args)
