@@ -157,7 +157,8 @@ class ServiceProc(Proc):
     def admin_target(self) -> str:
         return f"127.0.0.1:{self.admin_port}"
 
-    def wait_ports(self, timeout: float) -> dict:
+    def wait_ports(self, timeout: float = 300) -> dict:
+        """What the service wrote to its --port-file (port, admin_port, metrics_port, boot_id)."""
         deadline = time.monotonic() + timeout
         while not self.port_file.exists():
             if self.exited() is not None or time.monotonic() > deadline:
