@@ -19,6 +19,7 @@ BENCH = ROOT / "bench"
 NUM = r"[\d.]+"
 # Each script, and what its output must show: its table rows, with figures in them.
 EXPECTED: dict[str, list[str]] = {
+    "ab.py": [r"head/base", rf"curve\.0\.tok_s\s+{NUM}\s+{NUM}\s+{NUM}"],
     "accuracy.py": [rf"top-1 agreement {NUM}", rf"cosine min {NUM}"],
     "batch_wait.py": [r"wait 0\s+wait 20", rf"none\s+32\s+{NUM}\s+{NUM}"],
     "cold_start.py": [
