@@ -160,7 +160,7 @@ def main() -> None:
         t0 = time.time()
         option = load_lm(dtype, weights, mode, lm)
         agree = lm_agreement(ref, option, prompts, a.tokens)
-        name = option.numerics
+        name = option.model.numerics
         results[f"generate {name} {mode.value}"] = {"top1_agreement": agree}
         print(f"Generate {name:>15} ({mode.value}): top-1 agreement {agree:.4f} "
               f"({time.time() - t0:.0f} s)", flush=True)  # fmt: skip
