@@ -95,7 +95,7 @@ def test_a_stop_takes_everything_out() -> None:
     s.add(a)
     s.add(b)
     s.admit()
-    assert s.abort_all() == [a, b] and not s.running and not s.waiting
+    assert s.abort(waiting_too=True) == [a, b] and not s.running and not s.waiting
 
 
 def test_the_cache_is_never_resized_under_running_requests() -> None:

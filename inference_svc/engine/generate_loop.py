@@ -57,10 +57,7 @@ class GenerateLoop:
             self._iterate()
         except Exception as exc:  # a real fault: every admitted request gets it
             log.exception("model %s: step over %d requests failed", self.name, len(sched.running))
-            self.output.fail([s for s in sched.running], exc)
-            for seq in list(sched.running):
-                seq.stopped = True
-            sched.reap()
+            self.output.fail(sched.abort(), exc)
         return True
 
     def _drain(self) -> bool:
@@ -93,7 +90,7 @@ class GenerateLoop:
 
     def _shut_down(self) -> None:
         stopped = Unavailable(f"model {self.name}: the service is stopping")
-        self.output.fail(self.scheduler.abort_all(), stopped)
+        self.output.fail(self.scheduler.abort(waiting_too=True), stopped)
         for call in self._calls:
             call.future.cancel()
         self.inbox.compute.unregister(self)

@@ -157,12 +157,15 @@ class Scheduler:
                 seq.ready = True
 
     # -- endings ------------------------------------------------------------------------
-    def abort_all(self) -> list[Sequence]:
-        """Every request, running and waiting, taken out (the caller answers them)."""
-        out = [*self.running, *self.waiting]
-        for seq in list(self.running):
+    def abort(self, waiting_too: bool = False) -> list[Sequence]:
+        """Every running request (and waiting one, with ``waiting_too``) taken out, rows
+        freed: the caller answers them."""
+        out = list(self.running)
+        for seq in out:
             self._release(seq)
-        self.waiting.clear()
+        if waiting_too:
+            out += self.waiting
+            self.waiting.clear()
         return out
 
     def _release(self, seq: Sequence) -> None:
