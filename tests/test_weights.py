@@ -56,6 +56,20 @@ def test_convert_linears_swaps_every_linear_layer() -> None:
         convert_linears(model, "int8")
 
 
+def test_a_biased_layer_keeps_its_bias_in_bfloat16_and_int4() -> None:
+    """Qwen2's q/k/v carry a bias: bfloat16 weights keep it; int4 leaves the layer bfloat16."""
+    torch.manual_seed(0)
+    for scheme in ("bfloat16", "int4"):
+        lm = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=True))
+        with torch.no_grad():
+            lm[0].bias.normal_(0, 3.0)
+        x = torch.randn(4, 64)
+        want = lm(x)
+        convert_linears(lm, scheme)
+        assert isinstance(lm[0], BFloat16Linear)
+        assert (lm(x) - want).abs().max() < 0.1  # bfloat16 products; the bias is exact
+
+
 def test_numerics_names_what_the_graphs_compute_in() -> None:
     assert numerics(torch.float32, "same") == "float32"
     assert numerics(torch.float32, "int4") == "float32+int4-linear"

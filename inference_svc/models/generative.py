@@ -38,9 +38,6 @@ class _Decode(_Prefill):
         return self.lm.decode(*args)
 
 
-SUPPORTED_ARCHITECTURES = ("llama",)
-
-
 class GenerativeModel:
     """The LM, its tokenizer and its static KV cache; forward passes at shapes the caller
     chose and padded (engine/runner.py, from the model's buckets)."""
@@ -184,12 +181,7 @@ def load_generative(
     weights: str = "same",
 ) -> GenerativeModel:
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
-    if config.model_type not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported for Generate "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    shape = LlamaShape.from_hf(config)
+    shape = LlamaShape.from_hf(config)  # ValueError for an architecture not supported
     if limits.max_seq_len > shape.max_positions:
         raise ValueError(
             f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "

@@ -18,6 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+# The architectures Generate serves: Llama's decoder, and what each family changes in it.
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# Rotary embeddings whose frequencies do not depend on the sequence length (a static cache and
+# compiled graphs need fixed ones); "dynamic" and "longrope" change with the length.
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+
 
 @dataclass(frozen=True)
 class LlamaShape:
@@ -29,20 +35,30 @@ class LlamaShape:
     num_kv_heads: int
     head_dim: int
     rms_eps: float
-    rope_theta: float
+    inv_freq: tuple[float, ...]  # the rotary frequencies, from the config's rope type
     tie_embeddings: bool
     max_positions: int
+    rope_scale: float = 1.0  # cos/sin scaling some rope types apply (yarn)
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
+    mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
 
     @classmethod
     def from_hf(cls, config: object) -> LlamaShape:
-        """Read a transformers LlamaConfig (any config with the same fields)."""
+        """Read a transformers config of a supported architecture; ValueError names what is
+        not supported (before any weight is read into the model)."""
         c = config
-        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default')")
-        theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+        family = getattr(c, "model_type", "llama")
+        if family not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model type {family!r} is not supported for Generate "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if family == "qwen2" and getattr(c, "use_sliding_window", False):
+            raise ValueError("qwen2 with use_sliding_window is not supported (full attention only)")
+        inv_freq, scale = _rope_frequencies(c)
         heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
         return cls(
             vocab_size=c.vocab_size,
             hidden_size=c.hidden_size,
@@ -52,14 +68,40 @@ class LlamaShape:
             num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
             rms_eps=c.rms_norm_eps,
-            rope_theta=float(theta),
+            inv_freq=inv_freq,
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             max_positions=c.max_position_embeddings,
+            rope_scale=scale,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
+    """The rotary frequencies and cos/sin scale of ``config``'s rope type, computed by
+    transformers' own rope functions (the reference the parity tests compare with)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in SUPPORTED_ROPE:
+        raise ValueError(
+            f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)}: "
+            "frequencies that do not change with the sequence length)"
+        )
+    if kind == "default":
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        heads = config.num_attention_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return tuple(inv.tolist()), 1.0
+    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return tuple(inv.float().tolist()), float(scale)
 
 
 class RMSNorm(nn.Module):
@@ -79,10 +121,10 @@ class Attention(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
         self.s = s
-        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=False)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=False)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=False)
+        self.q_proj = nn.Linear(s.hidden_size, s.num_heads * s.head_dim, bias=s.qkv_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
@@ -114,9 +156,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
+        self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -159,8 +201,7 @@ class LlamaLM(nn.Module):
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
     def _inv_freq(self) -> Tensor:
-        s = self.shape
-        return 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2).float() / s.head_dim))
+        return torch.tensor(self.shape.inv_freq, dtype=torch.float32)
 
     @classmethod
     def from_state(cls, s: LlamaShape, state: dict[str, Tensor]) -> tuple[LlamaLM, list[str]]:
@@ -185,7 +226,10 @@ class LlamaLM(nn.Module):
     def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, N, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.shape.rope_scale != 1.0:
+            cos, sin = cos * self.shape.rope_scale, sin * self.shape.rope_scale
+        return cos.to(dtype), sin.to(dtype)
 
     def _mlp_block(self, layer: DecoderLayer, h: Tensor, attn: Tensor) -> Tensor:
         h = h + attn

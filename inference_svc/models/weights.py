@@ -31,9 +31,13 @@ class BFloat16Linear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16))
+        # A bias (Qwen2's q/k/v) stays in the input's dtype, added after the product.
+        bias = linear.bias.detach() if linear.bias is not None else None
+        self.register_buffer("bias", bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        out = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return out if self.bias is None else out + self.bias
 
 
 class Int4Linear(nn.Module):

@@ -1,0 +1,186 @@
+"""Model families beside Llama, in the shared decoder: tiny models built from each family's
+transformers config with fixed seeds; the service's runner (its padding, chunks, cache rows)
+gives transformers' logits within 1e-4 across prefill chunks and decode steps, alone and
+batched beside another row, and the same 64 greedy tokens. What is not supported is refused at
+load, by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_api.plan import CompilationMode, LogprobsMode
+from inference_svc.compile_monitor import CompileMonitor, Origin
+from inference_svc.engine.buckets import GenBuckets
+from inference_svc.engine.runner import GenerateRunner
+from inference_svc.limits import GenLimits
+from inference_svc.models.compile import ModelContext
+from inference_svc.models.generative import load_generative
+from inference_svc.models.loading import load_hf_causal_lm, offline, resolve_lm_dir
+from inference_svc.sampling import Sampler
+
+pytestmark = pytest.mark.rpc
+LIMITS = GenLimits(max_batch=2, max_input_tokens=48, max_new_tokens=72, prefill_chunk=16)
+COMMON = {
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+               "rope_theta": 500000.0}  # fmt: skip
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+             "rope_theta": 10000.0}  # fmt: skip
+DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
+    "yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": YARN_ROPE}),
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
+                                                         "mlp_bias": True}),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    offline()
+    _, tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
+    return tok
+
+
+def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:
+    import transformers
+
+    config_cls, model_cls, options = FAMILIES[family]
+    config = getattr(transformers, config_cls)(
+        vocab_size=len(tokenizer), **COMMON, **{**options, **extra},
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():  # biases are zeros at init: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def ours(directory: Path) -> GenerateRunner:
+    monitor = CompileMonitor()
+    ctx = ModelContext("lm", CompilationMode.NONE, monitor, torch.device("cpu"), torch.float32)
+    model = load_generative(ctx, directory, LIMITS)
+    buckets = GenBuckets.plan(LIMITS, CompilationMode.NONE)
+    model.allocate_cache(buckets.rows_for(2 * LIMITS.max_seq_len))
+    return GenerateRunner(model, Sampler("lm", CompilationMode.NONE, monitor),
+                          LogprobsMode.RAW, buckets)  # fmt: skip
+
+
+def prefill(runner: GenerateRunner, row: int, ids: list[int]) -> torch.Tensor:
+    chunk = runner.buckets.chunk[-1]
+    for start in range(0, len(ids), chunk):
+        logits = runner.pad_prefill(row, ids[start : start + chunk], start, Origin.WARMUP)
+    return logits[0]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    directory = build(tmp_path, family, tokenizer)
+    reference = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    runner = ours(directory)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 1000, (40,), generator=gen).tolist()  # three chunks of 16
+    other = torch.randint(0, 1000, (21,), generator=gen).tolist()
+
+    def ref_next(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(torch.tensor([ids])).logits[0, -1]
+
+    with torch.inference_mode():
+        got = prefill(runner, 0, prompt)
+        assert (got - ref_next(prompt)).abs().max() <= 1e-4
+        prefill(runner, 1, other)
+        ids, extra = list(prompt), list(other)
+        for step in range(8):  # teacher-forced decode, batched beside row 1
+            token = int(got.argmax())
+            ids.append(token)
+            extra.append(step + 5)
+            both = runner.pad_decode([token, step + 5], [len(ids) - 1, len(extra) - 1],
+                                     Origin.WARMUP)  # fmt: skip
+            got = both[0]
+            assert (got - ref_next(ids)).abs().max() <= 1e-4, f"decode step {step}"
+            assert (both[1] - ref_next(extra)).abs().max() <= 1e-4, f"row 1, step {step}"
+
+        # 64 greedy tokens alone (row 0 again, from the start), against transformers' argmax
+        mine = [int(prefill(runner, 0, prompt).argmax())]
+        want = [int(ref_next(prompt).argmax())]
+        while len(mine) < 64:
+            logits = runner.pad_decode([mine[-1]], [len(prompt) + len(mine) - 1], Origin.WARMUP)
+            mine.append(int(logits[0].argmax()))
+            want.append(int(ref_next(prompt + want).argmax()))
+    assert mine == want
+
+
+@pytest.mark.parametrize(
+    ("family", "extra", "message"),
+    [
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window"),
+        (
+            "llama3-rope",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+            "rope type 'dynamic'",
+        ),
+    ],
+)
+def test_what_is_not_supported_is_refused_at_load_by_name(
+    family, extra, message, tokenizer, tmp_path
+) -> None:
+    directory = build(tmp_path, family, tokenizer, **extra)
+    with pytest.raises(ValueError, match=message):
+        ours(directory)
+
+
+def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, tmp_path) -> None:
+    import transformers
+
+    config = transformers.MistralConfig(vocab_size=len(tokenizer), **COMMON)
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"'mistral' is not supported .*llama, qwen2"):
+        ours(tmp_path)
+
+
+@pytest.mark.timeout(900)
+async def test_a_qwen2_service_compiled_serves_eagers_tokens_with_no_late_compile(
+    tokenizer, tmp_path
+) -> None:
+    """The whole service on a tiny Qwen2: the warmup plan covers it (0 compile events after
+    SERVING under random arrivals, only Describe's shapes) and compiled greedy and seeded
+    tokens equal eager ones."""
+    from inference_api.stubs.inference.v1 import inference_pb2 as pb
+    from tests.rpc import serving
+    from tests.test_compiled_tiny import random_arrivals_compile_nothing
+
+    directory = build(tmp_path / "qwen2", "qwen2", tokenizer)
+    args = ["--port", "0", "--admin-port", "0", "--embed-model", "none", "--lm-model",
+            str(directory), "--max-input-tokens", "32", "--max-new-tokens", "16"]  # fmt: skip
+    reqs = [
+        pb.GenerateRequest(prompt="the quick brown fox", sampling=pb.SamplingParams(max_tokens=8)),
+        pb.GenerateRequest(
+            prompt="a b c d e f g h i j k l m n o p q r s t",
+            sampling=pb.SamplingParams(temperature=0.9, seed=3, max_tokens=8),
+        ),
+    ]
+    tokens = {}
+    for mode in ("none", "default"):
+        async with serving([*args, "--compilation-mode", mode], warm=True) as (service, c):
+            tokens[mode] = [list((await c.inference.Generate(r)).token_ids) for r in reqs]
+            if mode == "default":
+                await random_arrivals_compile_nothing(service, c, seed=5, count=12)
+    assert tokens["default"] == tokens["none"]
