@@ -79,6 +79,8 @@ async def serves_like_eager(service, c, eager_results) -> None:
 
 
 async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, eager_results):
+    # Counts compile events: graphs another test compiled in this process would not count.
+    torch._dynamo.reset()
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
     async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())

@@ -36,6 +36,8 @@ YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddin
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norm; wide heads
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": YARN_ROPE}),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
@@ -129,7 +131,8 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
 @pytest.mark.parametrize(
     ("family", "extra", "message"),
     [
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "use_sliding_window"),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "sliding window of 32"),
+        ("mistral", {"sliding_window": 64}, "sliding window of 64"),
         (
             "llama3-rope",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
@@ -148,11 +151,11 @@ def test_what_is_not_supported_is_refused_at_load_by_name(
 def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, tmp_path) -> None:
     import transformers
 
-    config = transformers.MistralConfig(vocab_size=len(tokenizer), **COMMON)
+    config = transformers.Phi3Config(vocab_size=len(tokenizer), **COMMON)
     torch.manual_seed(0)
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'mistral' is not supported .*llama, qwen2"):
+    with pytest.raises(ValueError, match=r"'phi3' is not supported .*llama, mistral, qwen2, qwen3"):
         ours(tmp_path)
 
 

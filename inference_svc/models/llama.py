@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # The architectures Generate serves: Llama's decoder, and what each family changes in it.
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 # Rotary embeddings whose frequencies do not depend on the sequence length (a static cache and
 # compiled graphs need fixed ones); "dynamic" and "longrope" change with the length.
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
@@ -42,6 +42,11 @@ class LlamaShape:
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
     mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope (Qwen3)
+    # Attention limited to the last N positions (Mistral, Qwen with use_sliding_window). The
+    # service runs full attention, the same while no sequence is longer than N: the loader
+    # refuses a max input + max new tokens above it.
+    sliding_window: int | None = None
 
     @classmethod
     def from_hf(cls, config: object) -> LlamaShape:
@@ -54,8 +59,9 @@ class LlamaShape:
                 f"model type {family!r} is not supported for Generate "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        if family == "qwen2" and getattr(c, "use_sliding_window", False):
-            raise ValueError("qwen2 with use_sliding_window is not supported (full attention only)")
+        window = getattr(c, "sliding_window", None)
+        if family.startswith("qwen") and not getattr(c, "use_sliding_window", False):
+            window = None  # Qwen configs carry a window that applies only when turned on
         inv_freq, scale = _rope_frequencies(c)
         heads = c.num_attention_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
@@ -75,6 +81,8 @@ class LlamaShape:
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window if family in ("mistral", "qwen2", "qwen3") else None,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -125,12 +133,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
+        norm = s.qk_norm
+        self.q_norm = RMSNorm(s.head_dim, s.rms_eps) if norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_eps) if norm else None
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
         s = self.s
-        q = self.q_proj(x).view(b, n, s.num_heads, s.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, n, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(b, n, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
