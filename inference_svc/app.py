@@ -81,9 +81,7 @@ class Service:
         self.engine.on_health = lambda serving, reason: loop.call_soon_threadsafe(
             lambda: loop.create_task(self._set_health(serving, reason))
         )
-        self.engine.on_restart = lambda reason: loop.call_soon_threadsafe(
-            self.restart_required.set
-        )
+        self.engine.on_restart = lambda reason: loop.call_soon_threadsafe(self.restart_required.set)
         log.info(
             "listening: public %s:%d, admin %s:%d (%s; boot %s); health NOT_SERVING until warmed",
             c.host,
