@@ -23,17 +23,22 @@ def sched(rows: int = 4, chunk: int = 16) -> Scheduler:
     return s
 
 
+def admitted(s: Scheduler, *seqs: Sequence) -> Scheduler:
+    """``seqs`` queued in this order, then admitted as far as rows allow."""
+    for x in seqs:
+        s.add(x)
+    s.admit()
+    return s
+
+
 def prefill_all(s: Scheduler) -> None:
     while (c := s.next_chunk()) is not None:
         s.prefilled(c)
 
 
 def test_admission_is_fifo_into_the_lowest_free_rows() -> None:
-    s = sched(rows=2)
     a, b, c = seq(3), seq(3), seq(3)
-    for x in (a, b, c):
-        s.add(x)
-    s.admit()
+    s = admitted(sched(rows=2), a, b, c)
     assert (a.row, b.row) == (0, 1) and list(s.waiting) == [c]
     a.cancelled.set()
     s.reap()
@@ -42,11 +47,8 @@ def test_admission_is_fifo_into_the_lowest_free_rows() -> None:
 
 
 def test_a_long_prompt_prefills_one_chunk_per_iteration_oldest_first() -> None:
-    s = sched(chunk=16)
     long, short = seq(40), seq(5)
-    s.add(long)
-    s.add(short)
-    s.admit()
+    s = admitted(sched(chunk=16), long, short)
     widths = []
     while (c := s.next_chunk()) is not None:
         assert c.seq is long or not long.prefilling  # the oldest prefilling request first
@@ -57,11 +59,8 @@ def test_a_long_prompt_prefills_one_chunk_per_iteration_oldest_first() -> None:
 
 
 def test_sampling_finishes_rows_on_eos_and_length_and_plans_the_rest() -> None:
-    s = sched()
     a, b, c = seq(3), seq(3, max_tokens=1), seq(3)
-    for x in (a, b, c):
-        s.add(x)
-    s.admit()
+    s = admitted(sched(), a, b, c)
     prefill_all(s)
     plan = s.sampled([(a, 42), (b, 43), (c, EOS)])
     assert b.finish is FinishReason.LENGTH and c.finish is FinishReason.EOS
@@ -72,11 +71,8 @@ def test_sampling_finishes_rows_on_eos_and_length_and_plans_the_rest() -> None:
 
 
 def test_padding_rows_get_their_next_slot_and_freed_rows_are_reused() -> None:
-    s = sched(rows=4)
     a, b = seq(3), seq(20)
-    s.add(a)
-    s.add(b)
-    s.admit()
+    s = admitted(sched(rows=4), a, b)
     s.prefilled(s.next_chunk())  # a's whole prompt
     s.prefilled(s.next_chunk())  # b's first chunk
     plan = s.sampled([(a, 7)])
@@ -84,17 +80,13 @@ def test_padding_rows_get_their_next_slot_and_freed_rows_are_reused() -> None:
     a.stopped = True  # the output stage found a stop string
     assert s.reap() == [a]
     late = seq(2)
-    s.add(late)
-    s.admit()
+    admitted(s, late)
     assert late.row == 0
 
 
 def test_a_stop_takes_everything_out() -> None:
-    s = sched(rows=1)
     a, b = seq(3), seq(3)
-    s.add(a)
-    s.add(b)
-    s.admit()
+    s = admitted(sched(rows=1), a, b)
     assert s.abort(waiting_too=True) == [a, b] and not s.running and not s.waiting
 
 

@@ -1,7 +1,6 @@
 """The generative runtime: Generate requests through the continuous-batching loop
-(scheduler, runner, output stage), and the warmup
-of a causal LM (PROFILE sizes its KV cache, COMPILE its prefill and decode buckets,
-SAMPLER every sampler path)."""
+(scheduler, runner, output stage), and the warmup of a causal LM (PROFILE sizes its KV
+cache, COMPILE its prefill and decode buckets, SAMPLER every sampler path)."""
 
 from __future__ import annotations
 

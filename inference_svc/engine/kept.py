@@ -26,9 +26,8 @@ class RestartRequired(Unavailable):
 
 
 class KeptArtifacts:
-    def __init__(self, store: artifacts.CompileArtifacts, compute: ComputeThread) -> None:
+    def __init__(self, store: artifacts.CompileArtifacts) -> None:
         self.store = store
-        self.compute = compute
         self._published = False
         self._before: dict[str, int] = {}
 
@@ -42,7 +41,7 @@ class KeptArtifacts:
         if store is None:
             return None
         compute.run(store.open).result()
-        return cls(store, compute)
+        return cls(store)
 
     @property
     def entry(self) -> Path:

@@ -2,8 +2,7 @@
 
 It owns the logits buffer (one row per KV-cache row: each row's next distribution), pads
 each step to a declared shape (the model's one ``GenBuckets`` value) and reads back only
-the sampled ids
-(and, when asked, their logprobs) as plain numbers for the output stage.
+the sampled ids (and, when asked, their logprobs) as plain numbers for the output stage.
 """
 
 from __future__ import annotations
@@ -67,8 +66,11 @@ class GenerateRunner:
 
     @property
     def buckets(self) -> GenBuckets:
-        """The shapes, with the KV cache's rows as they are now."""
-        return self._buckets.with_rows(self.model.cache_rows)
+        """The shapes, with the KV cache's rows as they are now (a new value only when
+        PROFILE or --kv-cache-tokens resized the cache, not at every step)."""
+        if self._buckets.rows != self.model.cache_rows:
+            self._buckets = self._buckets.with_rows(self.model.cache_rows)
+        return self._buckets
 
     def rows(self) -> int:
         """KV-cache rows (0 before PROFILE or --kv-cache-tokens sized the cache)."""

@@ -5,10 +5,10 @@ Each request holds one cache row from its admission to its last token; its slots
 positions (slot i holds the token at position i), so rows of different lengths and ages
 decode together. One iteration (engine/generate_loop.py drives it):
 
-1. ``schedule()``: reap (a cancelled request, or one the output stage ended on a stop
-   string, frees its row now); admit (waiting requests take the lowest free rows, oldest
-   first: FIFO, no starvation); choose ONE prefill chunk (at most ``chunk_tokens`` tokens)
-   of the oldest request still prefilling. Running streams are never paused for a whole
+1. ``reap()`` (a cancelled request, or one the output stage ended on a stop string, frees
+   its row now); ``admit()`` (waiting requests take the lowest free rows, oldest first:
+   FIFO, no starvation); ``next_chunk()``: ONE prefill chunk (at most ``chunk_tokens``
+   tokens) of the oldest request still prefilling. Running streams are never paused for a whole
    long prompt: the gap between two of their tokens is at most one decode step plus one
    chunk, and a joining request's first token waits at most one decode step per chunk;
 2. ``prefilled(chunk)`` once the runner wrote it;
