@@ -29,6 +29,9 @@ from inference_api.plan import CompilationMode, LogprobsMode
 
 # The generative model's linear-layer weights (inference_svc.models.weights applies them).
 LM_WEIGHTS = ("same", "bfloat16", "int4")
+# How compiled modes compile (inference_svc.models.compile): AOTInductor packages, or
+# torch.compile (Dynamo) in the process.
+COMPILE_BACKENDS = ("aoti", "torch-compile")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ON_OFF = ("on", "off")
 
@@ -91,6 +94,13 @@ class ServiceConfig:
     # Prepacked for oneDNN/MKL; torch 2.13 caches no frozen graph.
     freeze_weights: bool = setting(
         False, "on: weights frozen into compiled graphs (faster steps; every start compiles)"
+    )
+    compile_backend: str = setting(
+        "torch-compile",
+        "compiled modes: aoti (torch.export + AOTInductor packages, kept whole in "
+        "--compile-cache-dir, frozen weights included; a model that does not export falls "
+        "back to torch-compile) or torch-compile (Dynamo in the process)",
+        choices=COMPILE_BACKENDS,
     )
     logprobs_mode: LogprobsMode = setting(
         LogprobsMode.RAW, "logprobs of the raw logits or of the processed distribution"
