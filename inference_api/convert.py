@@ -140,6 +140,8 @@ def profile_from_pb(pb: admin_pb2.ModelProfile) -> plan.ModelProfile:
         buckets=tuple(bucket_from_pb(b, pb.name) for b in pb.buckets),
         numerics=pb.numerics,
         artifacts=pb.artifacts,
+        backend=pb.backend,
+        proof=pb.proof,
     )
 
 
@@ -169,6 +171,8 @@ def profile_to_pb(
         compiled_buckets=[bucket_to_pb(b) for b in compiled],
         numerics=p.numerics,
         artifacts=p.artifacts,
+        backend=p.backend,
+        proof=p.proof,
     )
 
 

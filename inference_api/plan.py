@@ -86,6 +86,10 @@ class ModelProfile:
     numerics: str = ""
     # Where the compiled graphs came from: "loaded" (kept artifacts), "compiled", or "".
     artifacts: str = ""
+    # How the compiled graphs run: "aoti", "torch-compile" (+ why, on a fallback), or "".
+    backend: str = ""
+    # Packages checked against eager on fixed inputs (the largest difference per graph).
+    proof: str = ""
 
 
 @dataclass(frozen=True)

@@ -26,45 +26,45 @@ _sym_db = _symbol_database.Default()
 from inference_api.stubs.inference.v1 import inference_pb2 as inference_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18inference/v1/admin.proto\x12\x0cinference.v1\x1a\x1cinference/v1/inference.proto\"k\n\x0bShapeBucket\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.inference.v1.Phase\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x0f\n\x07seq_len\x18\x03 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\"\x9a\x03\n\x0cModelProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.inference.v1.ModelKind\x12\x14\n\x0chas_kv_cache\x18\x03 \x01(\x08\x12\x34\n\x0fkv_cache_sizing\x18\x04 \x01(\x0e\x32\x1b.inference.v1.KvCacheSizing\x12\x17\n\x0fkv_cache_tokens\x18\x05 \x01(\x04\x12\x37\n\x10\x63ompilation_mode\x18\x06 \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x31\n\rlogprobs_mode\x18\x07 \x01(\x0e\x32\x1a.inference.v1.LogprobsMode\x12*\n\x07\x62uckets\x18\x08 \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x33\n\x10\x63ompiled_buckets\x18\t \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x10\n\x08numerics\x18\n \x01(\t\x12\x11\n\tartifacts\x18\x0b \x01(\t\"\x98\x01\n\x0bPlannedStep\x12*\n\x04step\x18\x01 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\r\n\x05model\x18\x02 \x01(\t\x12\x30\n\rsampler_paths\x18\x03 \x03(\x0e\x32\x19.inference.v1.SamplerPath\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"\xfb\x01\n\x10\x44\x65scribeResponse\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.inference.v1.ModelProfile\x12\x31\n\x0erequired_steps\x18\x03 \x03(\x0b\x32\x19.inference.v1.PlannedStep\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x15\n\rmodels_loaded\x18\x06 \x01(\x08\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x30\n\rskipped_steps\x18\x08 \x03(\x0b\x32\x19.inference.v1.PlannedStep\"|\n\rWarmupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x04step\x18\x02 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\x30\n\rsampler_paths\x18\x03 \x03(\x0e\x32\x19.inference.v1.SamplerPath\"\xa0\x02\n\x0eWarmupResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x04step\x18\x02 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\x0f\n\x07skipped\x18\x03 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x04 \x01(\t\x12)\n\x06shapes\x18\x05 \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x30\n\rsampler_paths\x18\x06 \x03(\x0e\x32\x19.inference.v1.SamplerPath\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x63ompile_events\x18\x08 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\";\n\rReseedRequest\x12\x11\n\x04seed\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06rewarm\x18\x02 \x01(\x08\x42\x07\n\x05_seed\"\x1e\n\x0eReseedResponse\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"$\n\x12MarkServingRequest\x12\x0e\n\x06rewarm\x18\x01 \x01(\x08\"7\n\x13MarkServingResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t*\x87\x01\n\rKvCacheSizing\x12\x1f\n\x1bKV_CACHE_SIZING_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_CACHE_SIZING_NONE\x10\x01\x12\x1d\n\x19KV_CACHE_SIZING_AUTOMATIC\x10\x02\x12\x1c\n\x18KV_CACHE_SIZING_EXPLICIT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02*T\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPHASE_EMBED\x10\x01\x12\x11\n\rPHASE_PREFILL\x10\x02\x12\x10\n\x0cPHASE_DECODE\x10\x03*\xcc\x01\n\x0eWarmupStepKind\x12 \n\x1cWARMUP_STEP_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18WARMUP_STEP_KIND_PROFILE\x10\x01\x12\x1c\n\x18WARMUP_STEP_KIND_COMPILE\x10\x02\x12\x1c\n\x18WARMUP_STEP_KIND_SAMPLER\x10\x03\x12\x1b\n\x17WARMUP_STEP_KIND_RESEED\x10\x04\x12!\n\x1dWARMUP_STEP_KIND_MARK_SERVING\x10\x05*\x91\x01\n\x0bSamplerPath\x12\x1c\n\x18SAMPLER_PATH_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLER_PATH_GREEDY\x10\x01\x12\x17\n\x13SAMPLER_PATH_RANDOM\x10\x02\x12\x17\n\x13SAMPLER_PATH_SEEDED\x10\x03\x12\x19\n\x15SAMPLER_PATH_LOGPROBS\x10\x04\x32\xb6\x02\n\x0bWarmupAdmin\x12I\n\x08\x44\x65scribe\x12\x1d.inference.v1.DescribeRequest\x1a\x1e.inference.v1.DescribeResponse\x12\x43\n\x06Warmup\x12\x1b.inference.v1.WarmupRequest\x1a\x1c.inference.v1.WarmupResponse\x12\x43\n\x06Reseed\x12\x1b.inference.v1.ReseedRequest\x1a\x1c.inference.v1.ReseedResponse\x12R\n\x0bMarkServing\x12 .inference.v1.MarkServingRequest\x1a!.inference.v1.MarkServingResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18inference/v1/admin.proto\x12\x0cinference.v1\x1a\x1cinference/v1/inference.proto\"k\n\x0bShapeBucket\x12\"\n\x05phase\x18\x01 \x01(\x0e\x32\x13.inference.v1.Phase\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x0f\n\x07seq_len\x18\x03 \x01(\r\x12\x13\n\x0b\x63ontext_len\x18\x04 \x01(\r\"\xba\x03\n\x0cModelProfile\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.inference.v1.ModelKind\x12\x14\n\x0chas_kv_cache\x18\x03 \x01(\x08\x12\x34\n\x0fkv_cache_sizing\x18\x04 \x01(\x0e\x32\x1b.inference.v1.KvCacheSizing\x12\x17\n\x0fkv_cache_tokens\x18\x05 \x01(\x04\x12\x37\n\x10\x63ompilation_mode\x18\x06 \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x31\n\rlogprobs_mode\x18\x07 \x01(\x0e\x32\x1a.inference.v1.LogprobsMode\x12*\n\x07\x62uckets\x18\x08 \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x33\n\x10\x63ompiled_buckets\x18\t \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x10\n\x08numerics\x18\n \x01(\t\x12\x11\n\tartifacts\x18\x0b \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x0c \x01(\t\x12\r\n\x05proof\x18\r \x01(\t\"\x98\x01\n\x0bPlannedStep\x12*\n\x04step\x18\x01 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\r\n\x05model\x18\x02 \x01(\t\x12\x30\n\rsampler_paths\x18\x03 \x03(\x0e\x32\x19.inference.v1.SamplerPath\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x0c\n\x04\x64one\x18\x05 \x01(\x08\"\x11\n\x0f\x44\x65scribeRequest\"\xfb\x01\n\x10\x44\x65scribeResponse\x12\x0f\n\x07\x62oot_id\x18\x01 \x01(\t\x12*\n\x06models\x18\x02 \x03(\x0b\x32\x1a.inference.v1.ModelProfile\x12\x31\n\x0erequired_steps\x18\x03 \x03(\x0b\x32\x19.inference.v1.PlannedStep\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x15\n\rmodels_loaded\x18\x06 \x01(\x08\x12\x0f\n\x07version\x18\x07 \x01(\t\x12\x30\n\rskipped_steps\x18\x08 \x03(\x0b\x32\x19.inference.v1.PlannedStep\"|\n\rWarmupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x04step\x18\x02 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\x30\n\rsampler_paths\x18\x03 \x03(\x0e\x32\x19.inference.v1.SamplerPath\"\xa0\x02\n\x0eWarmupResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x04step\x18\x02 \x01(\x0e\x32\x1c.inference.v1.WarmupStepKind\x12\x0f\n\x07skipped\x18\x03 \x01(\x08\x12\x13\n\x0bskip_reason\x18\x04 \x01(\t\x12)\n\x06shapes\x18\x05 \x03(\x0b\x32\x19.inference.v1.ShapeBucket\x12\x30\n\rsampler_paths\x18\x06 \x03(\x0e\x32\x19.inference.v1.SamplerPath\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x16\n\x0e\x63ompile_events\x18\x08 \x01(\r\x12\x17\n\x0fkv_cache_tokens\x18\t \x01(\x04\x12\x0e\n\x06\x64\x65tail\x18\n \x01(\t\";\n\rReseedRequest\x12\x11\n\x04seed\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12\x0e\n\x06rewarm\x18\x02 \x01(\x08\x42\x07\n\x05_seed\"\x1e\n\x0eReseedResponse\x12\x0c\n\x04seed\x18\x01 \x01(\x04\"$\n\x12MarkServingRequest\x12\x0e\n\x06rewarm\x18\x01 \x01(\x08\"7\n\x13MarkServingResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07\x62oot_id\x18\x02 \x01(\t*\x87\x01\n\rKvCacheSizing\x12\x1f\n\x1bKV_CACHE_SIZING_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_CACHE_SIZING_NONE\x10\x01\x12\x1d\n\x19KV_CACHE_SIZING_AUTOMATIC\x10\x02\x12\x1c\n\x18KV_CACHE_SIZING_EXPLICIT\x10\x03*a\n\x0cLogprobsMode\x12\x1d\n\x19LOGPROBS_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROBS_MODE_RAW\x10\x01\x12\x1b\n\x17LOGPROBS_MODE_PROCESSED\x10\x02*T\n\x05Phase\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bPHASE_EMBED\x10\x01\x12\x11\n\rPHASE_PREFILL\x10\x02\x12\x10\n\x0cPHASE_DECODE\x10\x03*\xcc\x01\n\x0eWarmupStepKind\x12 \n\x1cWARMUP_STEP_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18WARMUP_STEP_KIND_PROFILE\x10\x01\x12\x1c\n\x18WARMUP_STEP_KIND_COMPILE\x10\x02\x12\x1c\n\x18WARMUP_STEP_KIND_SAMPLER\x10\x03\x12\x1b\n\x17WARMUP_STEP_KIND_RESEED\x10\x04\x12!\n\x1dWARMUP_STEP_KIND_MARK_SERVING\x10\x05*\x91\x01\n\x0bSamplerPath\x12\x1c\n\x18SAMPLER_PATH_UNSPECIFIED\x10\x00\x12\x17\n\x13SAMPLER_PATH_GREEDY\x10\x01\x12\x17\n\x13SAMPLER_PATH_RANDOM\x10\x02\x12\x17\n\x13SAMPLER_PATH_SEEDED\x10\x03\x12\x19\n\x15SAMPLER_PATH_LOGPROBS\x10\x04\x32\xb6\x02\n\x0bWarmupAdmin\x12I\n\x08\x44\x65scribe\x12\x1d.inference.v1.DescribeRequest\x1a\x1e.inference.v1.DescribeResponse\x12\x43\n\x06Warmup\x12\x1b.inference.v1.WarmupRequest\x1a\x1c.inference.v1.WarmupResponse\x12\x43\n\x06Reseed\x12\x1b.inference.v1.ReseedRequest\x1a\x1c.inference.v1.ReseedResponse\x12R\n\x0bMarkServing\x12 .inference.v1.MarkServingRequest\x1a!.inference.v1.MarkServingResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVCACHESIZING']._serialized_start=1628
-  _globals['_KVCACHESIZING']._serialized_end=1763
-  _globals['_LOGPROBSMODE']._serialized_start=1765
-  _globals['_LOGPROBSMODE']._serialized_end=1862
-  _globals['_PHASE']._serialized_start=1864
-  _globals['_PHASE']._serialized_end=1948
-  _globals['_WARMUPSTEPKIND']._serialized_start=1951
-  _globals['_WARMUPSTEPKIND']._serialized_end=2155
-  _globals['_SAMPLERPATH']._serialized_start=2158
-  _globals['_SAMPLERPATH']._serialized_end=2303
+  _globals['_KVCACHESIZING']._serialized_start=1660
+  _globals['_KVCACHESIZING']._serialized_end=1795
+  _globals['_LOGPROBSMODE']._serialized_start=1797
+  _globals['_LOGPROBSMODE']._serialized_end=1894
+  _globals['_PHASE']._serialized_start=1896
+  _globals['_PHASE']._serialized_end=1980
+  _globals['_WARMUPSTEPKIND']._serialized_start=1983
+  _globals['_WARMUPSTEPKIND']._serialized_end=2187
+  _globals['_SAMPLERPATH']._serialized_start=2190
+  _globals['_SAMPLERPATH']._serialized_end=2335
   _globals['_SHAPEBUCKET']._serialized_start=72
   _globals['_SHAPEBUCKET']._serialized_end=179
   _globals['_MODELPROFILE']._serialized_start=182
-  _globals['_MODELPROFILE']._serialized_end=592
-  _globals['_PLANNEDSTEP']._serialized_start=595
-  _globals['_PLANNEDSTEP']._serialized_end=747
-  _globals['_DESCRIBEREQUEST']._serialized_start=749
-  _globals['_DESCRIBEREQUEST']._serialized_end=766
-  _globals['_DESCRIBERESPONSE']._serialized_start=769
-  _globals['_DESCRIBERESPONSE']._serialized_end=1020
-  _globals['_WARMUPREQUEST']._serialized_start=1022
-  _globals['_WARMUPREQUEST']._serialized_end=1146
-  _globals['_WARMUPRESPONSE']._serialized_start=1149
-  _globals['_WARMUPRESPONSE']._serialized_end=1437
-  _globals['_RESEEDREQUEST']._serialized_start=1439
-  _globals['_RESEEDREQUEST']._serialized_end=1498
-  _globals['_RESEEDRESPONSE']._serialized_start=1500
-  _globals['_RESEEDRESPONSE']._serialized_end=1530
-  _globals['_MARKSERVINGREQUEST']._serialized_start=1532
-  _globals['_MARKSERVINGREQUEST']._serialized_end=1568
-  _globals['_MARKSERVINGRESPONSE']._serialized_start=1570
-  _globals['_MARKSERVINGRESPONSE']._serialized_end=1625
-  _globals['_WARMUPADMIN']._serialized_start=2306
-  _globals['_WARMUPADMIN']._serialized_end=2616
+  _globals['_MODELPROFILE']._serialized_end=624
+  _globals['_PLANNEDSTEP']._serialized_start=627
+  _globals['_PLANNEDSTEP']._serialized_end=779
+  _globals['_DESCRIBEREQUEST']._serialized_start=781
+  _globals['_DESCRIBEREQUEST']._serialized_end=798
+  _globals['_DESCRIBERESPONSE']._serialized_start=801
+  _globals['_DESCRIBERESPONSE']._serialized_end=1052
+  _globals['_WARMUPREQUEST']._serialized_start=1054
+  _globals['_WARMUPREQUEST']._serialized_end=1178
+  _globals['_WARMUPRESPONSE']._serialized_start=1181
+  _globals['_WARMUPRESPONSE']._serialized_end=1469
+  _globals['_RESEEDREQUEST']._serialized_start=1471
+  _globals['_RESEEDREQUEST']._serialized_end=1530
+  _globals['_RESEEDRESPONSE']._serialized_start=1532
+  _globals['_RESEEDRESPONSE']._serialized_end=1562
+  _globals['_MARKSERVINGREQUEST']._serialized_start=1564
+  _globals['_MARKSERVINGREQUEST']._serialized_end=1600
+  _globals['_MARKSERVINGRESPONSE']._serialized_start=1602
+  _globals['_MARKSERVINGRESPONSE']._serialized_end=1657
+  _globals['_WARMUPADMIN']._serialized_start=2338
+  _globals['_WARMUPADMIN']._serialized_end=2648
 # @@protoc_insertion_point(module_scope)

@@ -81,7 +81,7 @@ class ShapeBucket(_message.Message):
     def __init__(self, phase: _Optional[_Union[Phase, str]] = ..., batch_size: _Optional[int] = ..., seq_len: _Optional[int] = ..., context_len: _Optional[int] = ...) -> None: ...
 
 class ModelProfile(_message.Message):
-    __slots__ = ("name", "kind", "has_kv_cache", "kv_cache_sizing", "kv_cache_tokens", "compilation_mode", "logprobs_mode", "buckets", "compiled_buckets", "numerics", "artifacts")
+    __slots__ = ("name", "kind", "has_kv_cache", "kv_cache_sizing", "kv_cache_tokens", "compilation_mode", "logprobs_mode", "buckets", "compiled_buckets", "numerics", "artifacts", "backend", "proof")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HAS_KV_CACHE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,8 @@ class ModelProfile(_message.Message):
     COMPILED_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: _inference_pb2.ModelKind
     has_kv_cache: bool
@@ -104,7 +106,9 @@ class ModelProfile(_message.Message):
     compiled_buckets: _containers.RepeatedCompositeFieldContainer[ShapeBucket]
     numerics: str
     artifacts: str
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_inference_pb2.ModelKind, str]] = ..., has_kv_cache: _Optional[bool] = ..., kv_cache_sizing: _Optional[_Union[KvCacheSizing, str]] = ..., kv_cache_tokens: _Optional[int] = ..., compilation_mode: _Optional[_Union[_inference_pb2.CompilationMode, str]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., compiled_buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., numerics: _Optional[str] = ..., artifacts: _Optional[str] = ...) -> None: ...
+    backend: str
+    proof: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[_inference_pb2.ModelKind, str]] = ..., has_kv_cache: _Optional[bool] = ..., kv_cache_sizing: _Optional[_Union[KvCacheSizing, str]] = ..., kv_cache_tokens: _Optional[int] = ..., compilation_mode: _Optional[_Union[_inference_pb2.CompilationMode, str]] = ..., logprobs_mode: _Optional[_Union[LogprobsMode, str]] = ..., buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., compiled_buckets: _Optional[_Iterable[_Union[ShapeBucket, _Mapping]]] = ..., numerics: _Optional[str] = ..., artifacts: _Optional[str] = ..., backend: _Optional[str] = ..., proof: _Optional[str] = ...) -> None: ...
 
 class PlannedStep(_message.Message):
     __slots__ = ("step", "model", "sampler_paths", "reason", "done")
