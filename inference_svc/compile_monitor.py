@@ -98,6 +98,11 @@ class CompileMonitor:
                 prev[0] += box[0]
 
     def _on_start(self, args: object) -> None:
+        self.record(str(getattr(args, "compile_id", "?")))
+
+    def record(self, compile_id: str) -> None:
+        """One compile in this thread: Dynamo's (the hook) or an AOTInductor package built
+        by the service itself (models/aoti.py), counted and judged alike."""
         ctx = getattr(self._local, "ctx", None) or CompileContext("?", "?", "?")
         box = getattr(self._local, "box", None)
         if box is not None:
@@ -108,7 +113,7 @@ class CompileMonitor:
             if late:
                 self.late += 1
                 self.late_by_model[ctx.model] += 1
-        event = LateCompile(ctx, str(getattr(args, "compile_id", "?")))
+        event = LateCompile(ctx, compile_id)
         if not late:
             log.debug("compile event %s", event.describe())
             return

@@ -54,7 +54,7 @@ FIELD_NAMES = {
     "python": "Python version",
     "cpu": "CPU capabilities",
     "threads": "thread count",
-    "mode": "compilation mode",
+    "mode": "compilation mode and backend",
     "numerics": "numerics (--dtype, --lm-weights)",
     "shapes": "shape limits",
     "code": "code of the compiled functions",
@@ -253,7 +253,9 @@ class CompileArtifacts:
         if self.entry.is_dir():
             problem = verify(self.entry, self.key)
             if problem is None:
-                shutil.copytree(self.entry, self.staging, dirs_exist_ok=True)
+                # AOTInductor packages are read where they are (find), not copied.
+                ignore = shutil.ignore_patterns("*.pt2")
+                shutil.copytree(self.entry, self.staging, dirs_exist_ok=True, ignore=ignore)
                 (self.staging / MANIFEST).unlink(missing_ok=True)
                 self.loaded = True
                 log.info("compiled artifacts: loading %s", self.entry)
@@ -287,22 +289,37 @@ class CompileArtifacts:
         differences = "; ".join(self.key.differences(fields))
         return f"none for this key; {others[-1].name} was made for {differences}", True
 
-    def model_status(self, model: str, before: dict[str, int]) -> str:
-        """ "loaded" if every function of the model just built found its Dynamo package in
-        the kept artifacts, else "compiled"; logged either way."""
+    # -- AOTInductor packages (models/aoti.py) -------------------------------------------
+    def find(self, name: str) -> Path | None:
+        """A package kept by an earlier start (read in place: the directory was verified)."""
+        path = self.entry / "aoti" / f"{name}.pt2"
+        return path if self.loaded and path.is_file() else None
+
+    def target(self, name: str) -> Path:
+        """Where this start writes a package it builds (published with the rest)."""
+        return self.staging / "aoti" / f"{name}.pt2"
+
+    def model_status(self, model: str, before: dict[str, int], packages: list[bool]) -> str:
+        """ "loaded" if every function of the model just built found its Dynamo package
+        and every AOTInductor graph its package (``packages``: loaded or not, one per
+        graph) in the kept artifacts, else "compiled"; logged either way."""
         after = dynamo_cache_counts()
         hits, misses, errors = (
             after.get(f"dynamo_cache_{k}", 0) - before.get(f"dynamo_cache_{k}", 0)
             for k in ("hit", "miss", "error")
         )
-        if self.loaded and hits and not misses and not errors:
-            log.info("model %s: %d compiled functions loaded from kept artifacts", model, hits)
+        dynamo = not misses and not errors and bool(hits or packages)
+        if self.loaded and dynamo and all(packages):
+            log.info(
+                "model %s: %d compiled functions and %d packages loaded from kept artifacts",
+                model, hits, len(packages),
+            )  # fmt: skip
             return "loaded"
         if self.loaded:
             log.warning(
                 "model %s: kept artifacts incomplete (%d functions loaded, %d missing, %d "
-                "failed to load): COMPILE compiles the rest",
-                model, hits, misses, errors,
+                "failed to load; %d of %d packages loaded): COMPILE compiles the rest",
+                model, hits, misses, errors, sum(packages), len(packages),
             )  # fmt: skip
         return "compiled"
 
@@ -362,7 +379,8 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     """The kept artifacts a configuration uses, or None when nothing is kept."""
     if config.compilation_mode is CompilationMode.NONE or not config.compile_cache_dir:
         return None
-    if config.freeze_weights:
+    aoti = config.compile_backend == "aoti"
+    if config.freeze_weights and not aoti:
         log.info(
             "--freeze-weights on: compiled artifacts are not kept (torch 2.13 caches no "
             "frozen graph); this start compiles every graph"
@@ -373,7 +391,10 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
         f"device={config.device} dtype={config.dtype} lm_weights={config.lm_weights} "
         f"logprobs={config.logprobs_mode.value}"
     )
-    key = make_key(config.compilation_mode.value, numerics, shapes, model_dirs)
+    mode = f"{config.compilation_mode.value} backend={config.compile_backend}"
+    if aoti:
+        mode += f" freeze={config.freeze_weights}"
+    key = make_key(mode, numerics, shapes, model_dirs)
     return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key)
 
 

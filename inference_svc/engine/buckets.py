@@ -64,6 +64,13 @@ class EmbedBuckets:
     def all(self) -> tuple[Bucket, ...]:
         return tuple(Bucket(Phase.EMBED, b, n) for b, n in product(self.batch, self.length))
 
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """The span of each dimension over every bucket: what a package is exported for."""
+        return {
+            "batch": (self.batch[0], self.batch[-1]),
+            "length": (self.length[0], self.length[-1]),
+        }
+
 
 @dataclass(frozen=True)
 class GenBuckets:
@@ -143,6 +150,14 @@ class GenBuckets:
 
     def all(self) -> tuple[Bucket, ...]:
         return (*self.prefill(), *self.decode())
+
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """The span of each dimension over every bucket: what a package is exported for."""
+        return {
+            "batch": (self.batch[0], self.batch[-1]),
+            "chunk": (self.chunk[0], self.chunk[-1]),
+            "context": (self.context[0], self.context[-1]),
+        }
 
     def largest(self) -> tuple[Bucket, Bucket]:
         """What PROFILE measures: a decode step over every row at full context, and the

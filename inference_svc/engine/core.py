@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inference_api.plan import ModelKind, ModelProfile, Plan, Step, StepKind, plan
+from inference_api.plan import CompilationMode, ModelKind, ModelProfile, Plan, Step, StepKind, plan
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
 from inference_svc.engine.compute import ComputeThread
@@ -30,6 +30,7 @@ from inference_svc.engine.registry import KINDS
 from inference_svc.engine.runtime import LoadEnv, ModelKindEntry, ModelRuntime, StepReport
 from inference_svc.engine.types import RuntimeInfo
 from inference_svc.errors import InvalidArgument, Unavailable
+from inference_svc.models.aoti import PackageStore, ScratchPackages
 
 log = logging.getLogger(__name__)
 WARMING = (StepKind.PROFILE, StepKind.COMPILE, StepKind.SAMPLER)  # steps that compile
@@ -56,6 +57,7 @@ class Engine:
         self.warmup_reports: list[StepReport] = []  # every step run in this process, in order
         self.models_loaded = False
         self.artifacts: KeptArtifacts | None = None  # --compile-cache-dir
+        self._scratch: ScratchPackages | None = None  # packages without --compile-cache-dir
         # Called with (serving, reason) whenever the health of the service changes.
         self.on_health: Callable[[bool, str], None] = lambda serving, reason: None
         # Called with the reason when this process must be restarted (the app stops it).
@@ -68,7 +70,7 @@ class Engine:
         chosen = [(k, m) for k in self.kinds if (m := k.model(self.config)) is not None]
         dirs = {k.name: k.resolve(m) for k, m in chosen}
         self.artifacts = KeptArtifacts.open(self.config, dirs, self.compute)
-        env = LoadEnv(self.config, self.monitor, self.compute)
+        env = LoadEnv(self.config, self.monitor, self.compute, self._packages())
         for kind, _ in chosen:
             self._load_one(kind, env, dirs[kind.name])
         self._seed(self.config.seed)  # a fresh process starts from the configured random state
@@ -95,9 +97,22 @@ class Engine:
         self.loaded.append(LoadedModel(kind.name, runtime.kind, took))
         log.info("loaded model %s in %.1f s", kind.name, took)
 
+    def _packages(self) -> PackageStore | None:
+        """Where AOTInductor packages are found and kept: the kept artifacts, or a scratch
+        directory of this process (no --compile-cache-dir)."""
+        c = self.config
+        if c.compile_backend != "aoti" or c.compilation_mode is CompilationMode.NONE:
+            return None
+        if self.artifacts is not None:
+            return self.artifacts.store
+        self._scratch = ScratchPackages()
+        return self._scratch
+
     def close(self) -> None:
         for runtime in self.runtimes.values():
             runtime.close()
+        if self._scratch is not None:
+            self._scratch.close()
         self.monitor.close()
         if self.artifacts is not None:
             self.artifacts.close()

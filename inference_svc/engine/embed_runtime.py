@@ -111,6 +111,8 @@ class EmbeddingRuntime(RuntimeBase):
         super().__init__(model.name, display_name, inbox, monitor)
         self.model = model
         self.shapes = EmbedBuckets.plan(max_batch, model.max_input_tokens, model.mode)
+        for graph in model.graphs:
+            graph.ranges = self.shapes.ranges()
         self._run = functools.partial(run_batch, model, self.shapes)
         self.batcher = Batcher(
             inbox, self._run, fail,
@@ -143,9 +145,10 @@ class EmbeddingRuntime(RuntimeBase):
 
     def profile(self) -> ModelProfile:
         m = self.model
+        backend, proof = self.backend(m.mode)
         return ModelProfile(
             self.name, self.kind, False, False, m.mode, buckets=self.buckets(),
-            numerics=m.numerics, artifacts=self.artifacts,
+            numerics=m.numerics, artifacts=self.artifacts, backend=backend, proof=proof,
         )  # fmt: skip
 
     async def warm(self, step: Step) -> StepReport:
@@ -164,6 +167,7 @@ class EmbeddingRuntime(RuntimeBase):
                 self.monitor,
                 after=self._warm_request,
                 artifacts=self.artifacts,
+                graphs=m.graphs,
             )
 
         return await asyncio.wrap_future(self.inbox.call(compile_all))

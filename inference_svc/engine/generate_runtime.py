@@ -73,6 +73,7 @@ class GenerativeRuntime(RuntimeBase):
         super().__init__(model.name, display_name, inbox, monitor)
         self.sampler = Sampler(model.name, model.mode, monitor)
         buckets = GenBuckets.plan(model.limits, model.mode)
+        model.set_ranges(buckets.ranges())
         if kv_cache.tokens is not None:
             model.allocate_cache(buckets.rows_for(kv_cache.tokens))
         self.runner = GenerateRunner(model, self.sampler, logprobs_mode, buckets)
@@ -99,17 +100,12 @@ class GenerativeRuntime(RuntimeBase):
         return self.runner.buckets.all()
 
     def profile(self) -> ModelProfile:
+        backend, proof = self.backend(self.model.mode)
         return ModelProfile(
-            self.name,
-            self.kind,
-            True,
-            self.kv_cache.explicit,
-            self.model.mode,
-            self.logprobs_mode,
-            self.buckets(),
-            self.model.numerics,
-            self.artifacts,
-        )
+            self.name, self.kind, True, self.kv_cache.explicit, self.model.mode,
+            self.logprobs_mode, self.buckets(), self.model.numerics, self.artifacts,
+            backend, proof,
+        )  # fmt: skip
 
     async def warm(self, step: Step) -> StepReport:
         run = self._step(step)
@@ -137,7 +133,7 @@ class GenerativeRuntime(RuntimeBase):
             )
         return warmup.compile_buckets(
             self.name, m.mode, self.buckets(), self._compiled, self.runner.run_shape, self.monitor,
-            artifacts=self.artifacts,
+            artifacts=self.artifacts, graphs=m.graphs,
         )  # fmt: skip
 
     def _planned_paths(self) -> tuple[SamplerPath, ...]:

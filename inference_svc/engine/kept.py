@@ -52,7 +52,8 @@ class KeptArtifacts:
 
     def after_load(self, runtime: ModelRuntime) -> None:
         """Say where ``runtime``'s graphs came from ("loaded" or "compiled")."""
-        runtime.artifacts = self.store.model_status(runtime.name, self._before)
+        packages = [g.source == "loaded" for g in runtime.graphs()]
+        runtime.artifacts = self.store.model_status(runtime.name, self._before, packages)
         if runtime.artifacts == "loaded":
             runtime.loaded_from_artifacts()
 

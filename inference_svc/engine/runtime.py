@@ -17,12 +17,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from inference_api.plan import Bucket, ModelKind, ModelProfile, SamplerPath, Step, StepKind
+from inference_api.plan import (
+    Bucket,
+    CompilationMode,
+    ModelKind,
+    ModelProfile,
+    SamplerPath,
+    Step,
+    StepKind,
+)
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.types import RuntimeInfo
+from inference_svc.models.aoti import AotiGraph, PackageStore
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.loading import pick_device, pick_dtype
 
@@ -71,13 +80,17 @@ class LoadEnv:
     config: ServiceConfig
     monitor: CompileMonitor
     compute: ComputeThread
+    packages: PackageStore | None = None  # AOTInductor packages (--compile-backend aoti)
 
     def context(self, name: str) -> ModelContext:
         """The settings the model of runtime ``name`` is built with."""
         c = self.config
         device = pick_device(c.device)
         dtype = pick_dtype(c.dtype, device)
-        return ModelContext(name, c.compilation_mode, self.monitor, device, dtype, c.freeze_weights)
+        return ModelContext(
+            name, c.compilation_mode, self.monitor, device, dtype, c.freeze_weights,
+            c.compile_backend, self.packages,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -139,6 +152,10 @@ class ModelRuntime(Protocol):
     def loaded_from_artifacts(self) -> None:
         """Its compiled graphs came from kept artifacts (engine/artifacts.py)."""
 
+    def graphs(self) -> list[Any]:
+        """Its graphs that run from AOTInductor packages (models/aoti.py): none on the
+        other backends."""
+
     async def touch(self) -> None:
         """Run the request path once (nothing random, nothing compiled), just before SERVING."""
 
@@ -185,6 +202,20 @@ class RuntimeBase:
 
     def loaded_from_artifacts(self) -> None:
         self.artifacts = "loaded"
+
+    def graphs(self) -> list[AotiGraph]:
+        return list(getattr(getattr(self, "model", None), "graphs", []))
+
+    def backend(self, mode: CompilationMode) -> tuple[str, str]:
+        """How its compiled graphs run, and their proof, as Describe says them."""
+        if mode is CompilationMode.NONE:
+            return "", ""
+        graphs = self.graphs()
+        if not graphs:
+            return "torch-compile", ""
+        fallbacks = [g.backend for g in graphs if g.source == "fallback"]
+        proof = "; ".join(text for g in graphs if (text := g.proof_text()))
+        return (fallbacks[0] if fallbacks else "aoti"), proof
 
     async def touch(self) -> None:
         return None

@@ -12,6 +12,7 @@ import torch._inductor.config as inductor_config
 
 from inference_api.plan import CompilationMode
 from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.models.aoti import AotiGraph, Family, PackageStore, inductor_options
 
 _MODES = {
     CompilationMode.DEFAULT: "default",
@@ -29,9 +30,23 @@ class ModelContext:
     device: torch.device
     dtype: torch.dtype
     freeze: bool = False  # --freeze-weights: weights become constants of compiled graphs
+    backend: str = "torch-compile"  # --compile-backend: "aoti" or "torch-compile"
+    packages: PackageStore | None = None  # where AOTInductor packages are found and kept
 
-    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return compile_fn(fn, self.mode, self.freeze)
+    def compile(self, module: torch.nn.Module, family: Family | None = None) -> Callable[..., Any]:
+        """``module`` as the compiled mode runs it: itself (NONE), an AOTInductor package
+        (backend aoti, for a module with a graph ``family``) or torch.compile."""
+
+        def dynamo() -> Callable[..., Any]:
+            return compile_fn(module, self.mode, self.freeze)
+
+        if self.mode is CompilationMode.NONE:
+            return module
+        if self.backend != "aoti" or family is None or self.packages is None:
+            return dynamo()
+        name = f"{self.name}-{family.graph}"
+        options = inductor_options(self.mode, self.freeze)
+        return AotiGraph(module, family, name, options, self.packages, self.monitor, dynamo)
 
 
 def compile_fn(

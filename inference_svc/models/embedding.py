@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from inference_svc.compile_monitor import Origin
+from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.loading import offline
 from inference_svc.models.weights import numerics
@@ -54,6 +55,14 @@ class _Pooled(torch.nn.Module):
         return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
 
 
+# The encoder's graph family (models/aoti.py): batch and padded length vary.
+EMBED = Family(
+    "embed",
+    lambda a: {"batch": a[0].shape[0], "length": a[0].shape[1]},
+    lambda d, a: ({0: d["batch"], 1: d["length"]}, {0: d["batch"], 1: d["length"]}),
+)
+
+
 class EmbeddingModel:
     has_kv_cache = False
 
@@ -70,7 +79,12 @@ class EmbeddingModel:
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
         self.pad_id = tokenizer.pad_token_id or 0
-        self._forward = ctx.compile(pooled)
+        self._forward = ctx.compile(pooled, EMBED)
+
+    @property
+    def graphs(self) -> list[AotiGraph]:
+        """The graphs that run from AOTInductor packages (none on other backends)."""
+        return [self._forward] if isinstance(self._forward, AotiGraph) else []
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids per text, untruncated (the caller checks the limit)."""

@@ -11,6 +11,7 @@ from torch import Tensor
 from inference_api.plan import Bucket, CompilationMode
 from inference_svc.compile_monitor import Origin
 from inference_svc.limits import GenLimits
+from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
@@ -36,6 +37,30 @@ class _Decode(_Prefill):
 
     def forward(self, *args: Tensor | list[Tensor]) -> Tensor:
         return self.lm.decode(*args)
+
+
+def _by_rows(caches: list[Tensor], rows: object) -> list[dict[int, object]]:
+    """Each layer's cache tensor varies in its rows (PROFILE sizes the cache)."""
+    return [{0: rows} for _ in caches]
+
+
+# The LM's graph families (models/aoti.py): what varies between buckets, and where.
+PREFILL = Family(
+    "prefill",
+    lambda a: {"chunk": a[0].shape[1], "context": a[4].shape[0], "rows": a[5][0].shape[0]},
+    lambda d, a: {"args": (
+        {1: d["chunk"]}, {1: d["chunk"]}, None, None, {0: d["context"]},
+        _by_rows(a[5], d["rows"]), _by_rows(a[6], d["rows"]),
+    )},
+)  # fmt: skip
+DECODE = Family(
+    "decode",
+    lambda a: {"batch": a[0].shape[0], "context": a[2].shape[0], "rows": a[3][0].shape[0]},
+    lambda d, a: {"args": (
+        {0: d["batch"]}, {0: d["batch"]}, {0: d["context"]},
+        _by_rows(a[3], d["rows"]), _by_rows(a[4], d["rows"]),
+    )},
+)  # fmt: skip
 
 
 class GenerativeModel:
@@ -72,11 +97,25 @@ class GenerativeModel:
         # Compiled as modules of their own, not as bound methods: a restart did not reuse a
         # bound method's kept Dynamo package (engine/artifacts.py), a module's forward it
         # does. One class each: torch keys a package on the function's qualified name.
-        self._prefill = ctx.compile(_Prefill(lm))
-        self._decode = ctx.compile(_Decode(lm))
+        self._prefill = ctx.compile(_Prefill(lm), PREFILL)
+        self._decode = ctx.compile(_Decode(lm), DECODE)
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
         self.k_cache: list[Tensor] | None = None
         self.v_cache: list[Tensor] | None = None
+
+    @property
+    def graphs(self) -> list[AotiGraph]:
+        """The graphs that run from AOTInductor packages (none on other backends)."""
+        return [g for g in (self._prefill, self._decode) if isinstance(g, AotiGraph)]
+
+    def set_ranges(self, ranges: dict[str, tuple[int, int]]) -> None:
+        """What packages are exported for: the span of the runtime's buckets (batch, chunk,
+        context); the cache's rows are one more than any batch (see allocate_cache)."""
+        lo, hi = ranges["batch"]
+        rows = (max(lo, 2) + 1, hi + 1)
+        for g in self.graphs:
+            dims = ("chunk", "context") if g.graph == "prefill" else ("batch", "context")
+            g.ranges = {d: ranges[d] for d in dims} | {"rows": rows}
 
     # -- cache -------------------------------------------------------------
     @property
@@ -96,8 +135,11 @@ class GenerativeModel:
         # context may equal the base's, or the graph specialises on that equality.
         dims = (rows + 1, s.num_kv_heads, self.limits.max_seq_len + 1, s.head_dim)
         opts = {"dtype": self.dtype, "device": self.device}
-        self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
-        self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
+        # Normal tensors, not inference tensors (the compute thread runs under inference
+        # mode): torch.export traces the in-place cache writes outside it (models/aoti.py).
+        with torch.inference_mode(False):
+            self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
+            self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
         log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[2] - 1)
 
     def free_cache(self) -> None:
@@ -137,12 +179,17 @@ class GenerativeModel:
     ) -> Tensor:  # fmt: skip
         """Write a padded chunk ``tokens`` [1, width] at ``positions`` into cache ``row``,
         attending to ``shape.context_len`` slots; the logits [1, vocab] at index ``last``."""
-        keys, values = self._view(slice(row, row + 1), shape.context_len)
+        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
         d = self.device
         with self.monitor.context(self.name, f"prefill/{origin.value}", str(shape)):
             tokens, positions = tokens.to(d), positions.to(d)
+            slots = torch.arange(shape.context_len, device=d)
+            which = torch.tensor([row], device=d)
             self._vary(tokens, positions, dim=1)  # the chunk's width
-            return self._prefill(tokens, positions, last.to(d), keys, values)
+            self._vary_context(slots)
+            return self._prefill(
+                tokens, positions, last.to(d), which, slots, self.k_cache, self.v_cache
+            )
 
     @torch.inference_mode()
     def decode(self, ids: Tensor, positions: Tensor, shape: Bucket, origin: Origin) -> Tensor:
@@ -153,8 +200,7 @@ class GenerativeModel:
             ids, positions = ids.to(d), positions.to(d)
             slots = torch.arange(shape.context_len, device=d)
             self._vary(ids, positions, dim=0)  # the batch
-            if self.mode is not CompilationMode.NONE and self.mark_dynamic:
-                torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
+            self._vary_context(slots)
             return self._decode(ids, positions, slots, self.k_cache, self.v_cache)
 
     def _vary(self, ids: Tensor, positions: Tensor, dim: int) -> None:
@@ -165,12 +211,9 @@ class GenerativeModel:
             torch._dynamo.maybe_mark_dynamic(ids, dim)
             torch._dynamo.maybe_mark_dynamic(positions, dim)
 
-    def _view(self, rows: slice, context: int) -> tuple[list[Tensor], list[Tensor]]:
-        assert self.k_cache is not None and self.v_cache is not None, "KV cache not allocated"
-        return (
-            [k[rows, :, :context] for k in self.k_cache],
-            [v[rows, :, :context] for v in self.v_cache],
-        )
+    def _vary_context(self, slots: Tensor) -> None:
+        if self.mode is not CompilationMode.NONE and self.mark_dynamic:
+            torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
 
 
 def load_generative(

@@ -257,29 +257,34 @@ class LlamaLM(nn.Module):
         input_ids: Tensor,
         positions: Tensor,
         last: Tensor,
+        row: Tensor,
+        slots: Tensor,
         k_cache: list[Tensor],
         v_cache: list[Tensor],
     ) -> Tensor:
-        """One chunk of one prompt [1, C] into its cache row; the logits at index ``last``.
+        """One chunk of one prompt [1, C] into cache row ``row`` [1]; the logits at ``last``.
 
         ``positions`` [1, C] are the chunk's cache slots (a right-padded chunk's padding
-        repeats a slot nobody attends to yet). ``k_cache``/``v_cache`` hold one tensor per
-        layer, the row's first ``Lp`` slots [1, kv_heads, Lp, head_dim], a view the caller
-        slices: the chunk's keys are written there in place and its queries attend to
-        every slot up to their own position (earlier chunks included).
+        repeats a slot nobody attends to yet). ``k_cache``/``v_cache`` are the whole cache,
+        one [rows, kv_heads, slots, head_dim] tensor per layer, as in ``decode``: the
+        chunk's keys are written there in place, and its queries attend to the row's first
+        ``L = len(slots)`` slots, each up to its own position (earlier chunks included).
         """
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
-        slots = torch.arange(k_cache[0].shape[2], device=h.device)
-        mask = (slots[None, :] <= positions[0, :, None])[None, None]  # [1, 1, C, Lp]
+        n = slots.shape[0]
+        mask = (slots[None, :] <= positions[0, :, None])[None, None]  # [1, 1, C, L]
         where = positions[0]
+        rows = row.expand(where.shape[0])
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
             keys, values = k_cache[i], v_cache[i]
-            keys.index_copy_(2, where, k)
-            values.index_copy_(2, where, v)
-            h = self._mlp_block(layer, h, attn.attend(q, keys, values, mask))
+            keys[rows, :, where] = k[0].transpose(0, 1)
+            values[rows, :, where] = v[0].transpose(0, 1)
+            seen_k = keys[:, :, :n].index_select(0, row)  # [1, kv_heads, L, head_dim]
+            seen_v = values[:, :, :n].index_select(0, row)
+            h = self._mlp_block(layer, h, attn.attend(q, seen_k, seen_v, mask))
         return self._logits(h[0, last])
 
     def decode(

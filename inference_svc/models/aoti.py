@@ -1,0 +1,202 @@
+"""AOTInductor packages: a model's graph exported once (``torch.export``), compiled ahead of
+time into a ``.pt2`` package (with ``--freeze-weights on`` the weights are folded and
+prepacked inside it; with max-autotune inductor may pick its C++ GEMM templates), kept
+whole, and loaded by a later start with no Dynamo, no guards and no compile.
+
+One package per graph family (Embed's forward, the LM's prefill chunk, the LM's decode
+step), each exported with dynamic dimensions over the ranges its buckets span, so weights
+are stored once per family, never once per bucket. A package called outside its exported
+ranges is undefined behaviour: every call is checked first (``OutOfRange``, a bug of the
+caller, never a request's fault). The KV cache comes in as inputs written in place, not as
+module buffers (a buffer would become a constant private to each package).
+
+A model that does not export falls back to torch.compile for that graph, with a log line
+naming the reason; ``AotiGraph.backend`` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from inference_api.plan import CompilationMode
+
+log = logging.getLogger(__name__)
+
+Args = tuple[Any, ...]
+
+
+class OutOfRange(RuntimeError):
+    """A call outside the ranges a package was exported for (the service never makes one:
+    its buckets lie inside them)."""
+
+
+class PackageStore(Protocol):
+    """Where packages are found (kept by an earlier start) and written (this start's)."""
+
+    def find(self, name: str) -> Path | None: ...
+
+    def target(self, name: str) -> Path: ...
+
+
+class ScratchPackages:
+    """Packages of this process only (no --compile-cache-dir): a temp directory."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="inference-svc-aoti-"))
+
+    def find(self, name: str) -> Path | None:
+        return None
+
+    def target(self, name: str) -> Path:
+        return self.root / f"{name}.pt2"
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One graph family: where each dynamic dimension sits in a call's arguments."""
+
+    graph: str  # "decode", "prefill", "embed"
+    sizes: Callable[[Args], dict[str, int]]  # each dynamic dimension's size in a call
+    # export's ``dynamic_shapes`` for a call's arguments, from one Dim per name
+    dynamic_shapes: Callable[[dict[str, Any], Args], Any]
+
+
+def inductor_options(mode: CompilationMode, freeze: bool) -> dict[str, Any]:
+    opts: dict[str, Any] = {"freezing": freeze}
+    if mode is CompilationMode.MAX_AUTOTUNE:
+        opts.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    return opts
+
+
+class AotiGraph:
+    """A module's forward run from an AOTInductor package: loaded from the store when an
+    earlier start kept it, else exported and compiled at its first call (warmup's), on the
+    compute thread, counted by the compile monitor like any compile."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        family: Family,
+        name: str,
+        options: dict[str, Any],
+        store: PackageStore,
+        monitor: Any,
+        fallback: Callable[[], Callable[..., Any]],
+    ) -> None:
+        self.module = module
+        self.family = family
+        self.name = name  # the package's name: "<model>-<graph>"
+        self.options = options
+        self.store = store
+        self.monitor = monitor
+        self._make_fallback = fallback
+        self.ranges: dict[str, tuple[int, int]] = {}  # set by the runtime from its buckets
+        self.source = ""  # "loaded" (kept package), "built" (here), "fallback"
+        self.backend = "aoti"
+        self.check_eager = False  # COMPILE's proof: also run eager, keep the difference
+        self.proof: dict[str, float] = {}  # the largest |package - eager| per shape seen
+        self._run: Callable[..., Any] | None = None
+        found = store.find(name)
+        if found is not None:
+            try:
+                self._run = _load(found)
+                self.source = "loaded"
+                log.info("package %s: loaded from %s", name, found)
+            except Exception as e:  # a broken package: built again at the first call
+                log.warning("package %s: %s does not load (%r); building it again", name, found, e)
+
+    @property
+    def graph(self) -> str:
+        return self.family.graph
+
+    def check(self, args: Args) -> dict[str, int]:
+        """The call's dynamic sizes; OutOfRange if one lies outside the exported ranges."""
+        sizes = self.family.sizes(args)
+        for dim, size in sizes.items():
+            lo, hi = self.ranges[dim]
+            if not lo <= size <= hi:
+                raise OutOfRange(
+                    f"package {self.name}: {dim} {size} outside its exported range [{lo}, {hi}]"
+                )
+        return sizes
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.ranges:
+            raise OutOfRange(f"package {self.name}: no ranges set (the runtime sets them)")
+        sizes = self.check(args)
+        if self._run is None:
+            self._run = self._build(args)
+        out = self._run(*args)
+        if self.check_eager and self.source != "fallback":
+            ref = self.module(*args)
+            label = "x".join(str(sizes[d]) for d in sorted(sizes))
+            self.proof[label] = float((out.float() - ref.float()).abs().max())
+        return out
+
+    def _build(self, args: Args) -> Callable[..., Any]:
+        """Export and compile the package (or fall back to torch.compile)."""
+        self.monitor.record(f"aoti/{self.name}")
+        start = time.perf_counter()
+        dims = {d: torch.export.Dim(d, min=lo, max=hi) for d, (lo, hi) in self.ranges.items()}
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                program = torch.export.export(
+                    self.module, args, dynamic_shapes=self.family.dynamic_shapes(dims, args),
+                    strict=False,
+                )  # fmt: skip
+        except Exception as e:
+            self.source = "fallback"
+            self.backend = f"torch-compile ({self.graph} does not export: {_short(e)})"
+            log.warning("package %s: torch.export failed (%s); falling back to torch.compile",
+                        self.name, _short(e))  # fmt: skip
+            return self._make_fallback()
+        exported = time.perf_counter()
+        path = self.store.target(self.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f".{uuid.uuid4().hex}-{path.name}")  # ends in .pt2, as torch asks
+        with torch.no_grad():
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(part), inductor_configs=self.options
+            )
+        part.rename(path)
+        run = _load(path)
+        self.source = "built"
+        log.info(
+            "package %s: exported in %.1f s, compiled in %.1f s (%.0f MiB; %s)",
+            self.name, exported - start, time.perf_counter() - exported,
+            path.stat().st_size / 2**20, _ranges_text(self.ranges),
+        )  # fmt: skip
+        return run
+
+    def proof_text(self) -> str:
+        if not self.proof:
+            return ""
+        worst = max(self.proof.values())
+        shapes = sorted(self.proof)
+        return f"{self.graph} max|diff| {worst:.2g} over {len(shapes)} shapes"
+
+
+def _load(path: Path) -> Callable[..., Any]:
+    return torch._inductor.aoti_load_package(str(path))
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200] if text else ''}"
+
+
+def _ranges_text(ranges: dict[str, tuple[int, int]]) -> str:
+    return ", ".join(f"{d} {lo}..{hi}" for d, (lo, hi) in sorted(ranges.items()))
