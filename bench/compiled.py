@@ -52,17 +52,18 @@ LM_OPTIONS = {"float32": [], "bf16-linear": ["--lm-weights", "bfloat16"],
 
 
 def arm_args(
-    models: list[str] | None, off: str, mode: str, option: list[str], freeze: str
+    models: list[str] | None, off: str, mode: str, option: list[str], compiled: list[str]
 ) -> list[str]:
-    """A one-model service: ``--OFF none``, the mode, the option, and (compiled) the freeze."""
-    frozen = ["--freeze-weights", freeze] if mode != "none" else []
-    return [*(models or []), f"--{off}", "none", "--compilation-mode", mode, *option, *frozen]
+    """A one-model service: ``--OFF none``, the mode, the option, and (compiled modes)
+    the ``compiled`` flags (--freeze-weights, --compile-backend)."""
+    flags = compiled if mode != "none" else []
+    return [*(models or []), f"--{off}", "none", "--compilation-mode", mode, *option, *flags]
 
 
 def embed_arm(
-    mode: str, option: str, seconds: float, freeze: str = "off", models: list[str] | None = None
+    mode: str, option: str, seconds: float, compiled: list[str], models: list[str] | None = None
 ) -> dict:
-    args = arm_args(models, "lm-model", mode, EMBED_OPTIONS[option], freeze)
+    args = arm_args(models, "lm-model", mode, EMBED_OPTIONS[option], compiled)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
         out = {"warm_s": svc.warm_s}
         for n in (1, 32):
@@ -83,9 +84,14 @@ def late_compiles(target: str) -> int:
 
 
 def generate_arm(
-    mode: str, option: str, tokens: int, freeze: str = "off", models: list[str] | None = None
+    mode: str,
+    option: str,
+    tokens: int,
+    compiled: list[str],
+    models: list[str] | None = None,
+    streams: tuple[int, ...] = (1, 8),
 ) -> dict:
-    args = arm_args(models, "embed-model", mode, LM_OPTIONS[option], freeze)
+    args = arm_args(models, "embed-model", mode, LM_OPTIONS[option], compiled)
     with tempfile.TemporaryDirectory() as tmp, running_service(args, Path(tmp)) as svc:
 
         async def run() -> dict:
@@ -93,7 +99,7 @@ def generate_arm(
                 stub = inference_pb2_grpc.InferenceStub(channel)
                 await stream(stub, 0, 8)  # not measured
                 rows = {}
-                for n in (1, 8):
+                for n in streams:
                     runs = [await concurrency(stub, n, tokens) for _ in range(2)]
                     rows[f"streams_{n}"] = max(runs, key=lambda r: r["tok_s"])
                     print(f"[generate {mode} {option}] {n} streams: "
@@ -193,8 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         "--freeze-weights", choices=("off", "on"), default="off",
         help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
     )  # fmt: skip
+    p.add_argument(
+        "--backend", choices=("torch-compile", "aoti"), default="torch-compile",
+        help="the compiled services' --compile-backend",
+    )  # fmt: skip
+    p.add_argument("--streams", default="1,8", help="Generate concurrencies measured")
     add_quick_flags(p)
     a = p.parse_args(argv)
+    compiled = ["--freeze-weights", a.freeze_weights, "--compile-backend", a.backend]
+    streams = tuple(int(n) for n in a.streams.split(","))
     if a.quick:
         a.modes, a.seconds, a.tokens, a.no_peers, a.options = "none", 1.0, 8, True, "float32"
     stem = a.name or ("compiled" if a.freeze_weights == "off" else "compiled-frozen")
@@ -207,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         r = {"modes": modes, "threads": cpu_threads(), "embed": {}, "generate": {}}
         r["tokens"] = a.tokens
         r["freeze_weights"], r["commit"] = a.freeze_weights, commit()
+        r["backend"] = a.backend
         if "generate" not in kinds and path.exists():  # keep the last run's Generate figures
             last = json.loads(path.read_text())
             r["generate"], r["llama_cpp_1"] = last["generate"], last.get("llama_cpp_1")
@@ -220,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         for option in [o for o in EMBED_OPTIONS if o in wanted] if "embed" in kinds else ():
             for mode in modes:
                 r["embed"][f"{mode} {option}"] = embed_arm(
-                    mode, option, a.seconds, a.freeze_weights, models
+                    mode, option, a.seconds, compiled, models
                 )
                 path.write_text(json.dumps(r, indent=1))
         for option in [o for o in LM_OPTIONS if o in wanted] if "generate" in kinds else ():
             for mode in modes:
                 r["generate"][f"{mode} {option}"] = generate_arm(
-                    mode, option, a.tokens, a.freeze_weights, models
+                    mode, option, a.tokens, compiled, models, streams
                 )
                 path.write_text(json.dumps(r, indent=1))
     report(r)
