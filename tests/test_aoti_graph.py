@@ -109,7 +109,9 @@ def test_a_module_that_does_not_export_falls_back_and_says_why() -> None:
 def test_every_bucket_lies_inside_the_ranges_packages_are_exported_for(
     max_batch: int, chunk: int, inputs: int, new: int
 ) -> None:
-    gen = GenBuckets.plan(GenLimits(max_batch, inputs, new, chunk), CompilationMode.DEFAULT)
+    gen = GenBuckets.plan(GenLimits(max_batch, inputs, new, chunk), CompilationMode.DEFAULT, True)
+    assert gen.batch[0] == 1  # a package takes one row as it is: no padding to two
+    assert gen.sampler_batch(1) == 1 == gen.sampler_batches[0]  # the sampler runs eagerly
     r = gen.ranges()
     for b in gen.all():
         assert r["context"][0] <= b.context_len <= r["context"][1]
@@ -117,7 +119,7 @@ def test_every_bucket_lies_inside_the_ranges_packages_are_exported_for(
             assert r["chunk"][0] <= b.seq_len <= r["chunk"][1]
         else:
             assert r["batch"][0] <= b.batch_size <= r["batch"][1]
-    embed = EmbedBuckets.plan(max_batch, inputs, CompilationMode.DEFAULT)
+    embed = EmbedBuckets.plan(max_batch, inputs, CompilationMode.DEFAULT, aoti=True)
     er = embed.ranges()
     for b in embed.all():
         assert er["batch"][0] <= b.batch_size <= er["batch"][1]

@@ -8,9 +8,10 @@ the scheduler can only ever produce a shape that COMPILE ran and Describe listed
   context bucket (slots attended); a prefill chunk is one row, padded to a chunk bucket,
   against a context bucket. Chunk buckets step by 16 tokens, not by powers of two: prefill
   costs what it computes, and a 38-token prompt padded to 64 would pay 68 % more than at 48.
-- Batch buckets, compiled: from 2 (a batch of 1 is padded to 2, so no size-1 specialisation
-  is left to compile later). Eager: from 1 (nothing compiles, and on a CPU one row costs
-  much less than two: a matrix-vector product).
+- Batch buckets, compiled by torch.compile: from 2 (a batch of 1 is padded to 2, so no
+  size-1 specialisation is left to compile later). Eager and AOTInductor packages (exported
+  with batch 1 in range, no specialisation): from 1 (on a CPU one row costs much less than
+  two: a matrix-vector product).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def powers_of_two(limit: int, smallest: int = 16) -> tuple[int, ...]:
     return tuple(out)
 
 
-def batch_sizes(limit: int, mode: CompilationMode) -> tuple[int, ...]:
-    if mode is CompilationMode.NONE:
+def batch_sizes(limit: int, mode: CompilationMode, aoti: bool = False) -> tuple[int, ...]:
+    if mode is CompilationMode.NONE or aoti:
         return powers_of_two(limit, smallest=1)
     return powers_of_two(max(limit, 2), smallest=2)
 
@@ -52,8 +53,10 @@ class EmbedBuckets:
     length: tuple[int, ...]
 
     @classmethod
-    def plan(cls, max_batch: int, max_input_tokens: int, mode: CompilationMode) -> EmbedBuckets:
-        return cls(batch_sizes(max_batch, mode), powers_of_two(max_input_tokens))
+    def plan(
+        cls, max_batch: int, max_input_tokens: int, mode: CompilationMode, aoti: bool = False
+    ) -> EmbedBuckets:
+        return cls(batch_sizes(max_batch, mode, aoti), powers_of_two(max_input_tokens))
 
     def shape(self, rows: int, longest: int) -> Bucket:
         """The padded shape of ``rows`` inputs whose longest has ``longest`` tokens."""
@@ -80,12 +83,16 @@ class GenBuckets:
     max_seq_len: int  # slots per row: longest prompt + most new tokens
     max_input_tokens: int
     rows: int = 0  # KV-cache rows; 0 until the cache is sized
+    # The sampler's smallest batch: 2 when torch.compile compiles it (no size-1 graph to
+    # compile apart), even when the step ran one row.
+    sampler_from: int = 1
 
     @classmethod
-    def plan(cls, limits: GenLimits, mode: CompilationMode) -> GenBuckets:
+    def plan(cls, limits: GenLimits, mode: CompilationMode, aoti: bool = False) -> GenBuckets:
         chunk = min(limits.prefill_chunk, limits.max_input_tokens)
         return cls(
-            batch=batch_sizes(limits.max_batch, mode),
+            sampler_from=1 if mode is CompilationMode.NONE or aoti else 2,  # aoti: eager sampler
+            batch=batch_sizes(limits.max_batch, mode, aoti),
             chunk=tuple(sorted({*range(16, chunk, 16), chunk})),
             context=powers_of_two(limits.max_seq_len, smallest=32),
             max_seq_len=limits.max_seq_len,
@@ -118,8 +125,17 @@ class GenBuckets:
 
     # -- padding -------------------------------------------------------------------------
     def batch_for(self, rows: int) -> int:
-        """The batch a step over cache rows [0, rows) runs at (decode and the sampler)."""
+        """The batch a step over cache rows [0, rows) runs at."""
         return bucket_for(rows, self.decode_batch)
+
+    def sampler_batch(self, rows: int) -> int:
+        """The batch the sampler runs at after a step over cache rows [0, rows)."""
+        return max(self.batch_for(rows), self.sampler_from)
+
+    @property
+    def sampler_batches(self) -> tuple[int, ...]:
+        """Every batch the sampler runs at: what SAMPLER warms."""
+        return tuple(sorted({max(b, self.sampler_from) for b in self.decode_batch}))
 
     def chunk_shape(self, start: int, n: int) -> Bucket:
         """The padded shape of a prefill chunk of ``n`` tokens written from slot ``start``."""

@@ -82,10 +82,17 @@ class Engine:
         kept = self.artifacts
         if kept is not None:
             kept.before_load()
+
         # On the compute thread: it is the only thread that runs torch's parallel kernels
-        # in this process (engine/compute.py says why).
+        # in this process (engine/compute.py says why). Outside its inference mode: weights
+        # made there would be inference tensors, which torch.export cannot trace
+        # (models/aoti.py); forward passes still run under inference mode.
+        def load() -> ModelRuntime:
+            with torch.inference_mode(False):
+                return kind.load(env, directory)
+
         try:
-            runtime = self.compute.run(lambda: kind.load(env, directory)).result()
+            runtime = self.compute.run(load).result()
         except Exception as exc:
             if kept is not None:
                 kept.load_failed(kind.name, exc)

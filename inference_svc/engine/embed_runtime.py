@@ -110,7 +110,9 @@ class EmbeddingRuntime(RuntimeBase):
         inbox: Inbox[EmbedJob] = Inbox(model.name, max_queue, compute)
         super().__init__(model.name, display_name, inbox, monitor)
         self.model = model
-        self.shapes = EmbedBuckets.plan(max_batch, model.max_input_tokens, model.mode)
+        self.shapes = EmbedBuckets.plan(
+            max_batch, model.max_input_tokens, model.mode, aoti=bool(model.graphs)
+        )
         for graph in model.graphs:
             graph.ranges = self.shapes.ranges()
         self._run = functools.partial(run_batch, model, self.shapes)

@@ -92,7 +92,7 @@ class GenerateRunner:
         when seeded, its own generator (made at its first token)."""
         m = self.model
         assert self._logits is not None
-        batch = self.buckets.batch_for(max(s.row for s in seqs) + 1)
+        batch = self.buckets.sampler_batch(max(s.row for s in seqs) + 1)
         params: list[GenerateParams | None] = [None] * batch
         gens: dict[int, torch.Generator] = {}
         for s in seqs:

@@ -202,7 +202,7 @@ def warm_sampler(
     if m.mode is CompilationMode.NONE:
         return StepReport.skip(m.name, StepKind.SAMPLER, NOTHING_COMPILES)
     report = StepReport(m.name, StepKind.SAMPLER)
-    batches = runner.buckets.decode_batch
+    batches = runner.buckets.sampler_batches
     gen = torch.Generator().manual_seed(WARMUP_SEED)
     vocab = m.lm.shape.vocab_size
 

@@ -150,7 +150,10 @@ class AotiGraph:
         """Export and compile the package (or fall back to torch.compile)."""
         self.monitor.record(f"aoti/{self.name}")
         start = time.perf_counter()
-        dims = {d: torch.export.Dim(d, min=lo, max=hi) for d, (lo, hi) in self.ranges.items()}
+        dims = {  # a range of one size is static (export refuses a Dim with min == max)
+            d: torch.export.Dim(d, min=lo, max=hi) if lo < hi else None
+            for d, (lo, hi) in self.ranges.items()
+        }
         try:
             with torch.inference_mode(False), torch.no_grad():
                 program = torch.export.export(
