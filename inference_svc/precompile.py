@@ -2,8 +2,9 @@
 
 It loads the models the flags name and runs every warmup step Describe would require,
 in process (no ports, no sidecar), then keeps the compiled artifacts exactly as a serving
-process does. For an image build stage or a Kubernetes Job that fills a shared cache
-volume: a service started later with the same flags (and the same CPU, thread count,
+process does (with --compile-backend aoti: the AOTInductor packages, frozen weights
+too). For an image build stage or a Kubernetes Job that fills a shared cache volume: a
+service started later with the same flags (and the same CPU, thread count,
 torch and weights: the key) loads them and reaches SERVING without compiling.
 """
 
@@ -25,8 +26,14 @@ async def precompile(config: ServiceConfig) -> int:
     if config.compilation_mode is CompilationMode.NONE:
         log.error("precompile: --compilation-mode none compiles nothing; name a compiled mode")
         return 1
-    if not config.compile_cache_dir or config.freeze_weights:
-        log.error("precompile: needs --compile-cache-dir and --freeze-weights off")
+    if not config.compile_cache_dir:
+        log.error("precompile: needs --compile-cache-dir")
+        return 1
+    if config.freeze_weights and config.compile_backend != "aoti":
+        log.error(
+            "precompile: --freeze-weights on is kept only with --compile-backend aoti "
+            "(torch.compile caches no frozen graph)"
+        )
         return 1
     start = time.perf_counter()
     engine = Engine(config)
