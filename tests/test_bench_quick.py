@@ -27,6 +27,7 @@ EXPECTED: dict[str, list[str]] = {
         rf"\| no-sidecar \| Generate logprobs=2 \| {NUM} \| {NUM} \| {NUM} \|",
     ],
     "compiled.py": [rf"float32\s+32\s+{NUM}", rf"float32\s+8\s+{NUM}"],
+    "decode_step.py": [r"memory read bandwidth", rf"same\s+1\s+{NUM}\s+{NUM}\s+{NUM}"],
     "embed_load.py": [rf"\| 4 \| {NUM} \| {NUM} \| {NUM} \|"],
     "latency.py": [
         rf"\| Embed, one short text: median latency \| {NUM} ms \| {NUM} ms \| {NUM} ms \|",

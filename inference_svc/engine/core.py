@@ -9,6 +9,7 @@ kept compiled artifacts are engine/kept.py's.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import random
@@ -84,11 +85,15 @@ class Engine:
             kept.before_load()
 
         # On the compute thread: it is the only thread that runs torch's parallel kernels
-        # in this process (engine/compute.py says why). Outside its inference mode: weights
-        # made there would be inference tensors, which torch.export cannot trace
-        # (models/aoti.py); forward passes still run under inference mode.
+        # in this process (engine/compute.py says why). With AOTInductor, outside its
+        # inference mode: weights made there would be inference tensors, which torch.export
+        # cannot trace (models/aoti.py); forward passes still run under inference mode.
+        # (Not for torch.compile: Dynamo keeps no package of a graph whose weights are
+        # normal tensors, "Graph contains named parameters due to static addresses".)
+        aoti = self.config.compile_backend == "aoti"
+
         def load() -> ModelRuntime:
-            with torch.inference_mode(False):
+            with torch.inference_mode(False) if aoti else contextlib.nullcontext():
                 return kind.load(env, directory)
 
         try:
