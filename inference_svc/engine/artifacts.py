@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -338,7 +339,7 @@ class CompileArtifacts:
             return f"{self.entry} was kept meanwhile (another replica): not replaced"
         tmp = self.root / f".tmp-{uuid.uuid4().hex}"
         try:
-            shutil.copytree(self.staging, tmp, ignore=shutil.ignore_patterns("locks"))
+            shutil.copytree(self.staging, tmp, ignore=_not_kept(self.staging))
             manifest = {
                 "format": FORMAT,
                 "key": self.key.fields,
@@ -401,6 +402,21 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
         mode += f" freeze={config.freeze_weights}"
     key = make_key(mode, numerics, shapes, model_dirs)
     return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key)
+
+
+def _not_kept(staging: Path) -> Callable[[str, list[str]], set[str]]:
+    """What publish leaves out: inductor's lock files, and the build directories that
+    AOTInductor leaves in its cache (one per package, named by a long hash: the same
+    weights and shared object the package under aoti/ holds, hundreds of MiB each)."""
+    top = str(staging)
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        out = {n for n in names if n == "locks"}
+        if directory == top:
+            out |= {n for n in names if len(n) >= 40 and (staging / n).is_dir()}
+        return out
+
+    return ignore
 
 
 def _refused_marker(key: ArtifactKey) -> Path:

@@ -160,12 +160,12 @@ class AotiGraph:
             d: torch.export.Dim(d, min=lo, max=hi) if lo < hi else None
             for d, (lo, hi) in self.ranges.items()
         }
+        shapes = self.family.dynamic_shapes(dims, args)
         try:
             with torch.inference_mode(False), torch.no_grad():
                 program = torch.export.export(
-                    self.module, args, dynamic_shapes=self.family.dynamic_shapes(dims, args),
-                    strict=False,
-                )  # fmt: skip
+                    self.module, _widened(args, shapes), dynamic_shapes=shapes, strict=False
+                )
         except Exception as e:
             self.source = "fallback"
             self.backend = f"torch-compile ({self.graph} does not export: {_short(e)})"
@@ -196,6 +196,25 @@ class AotiGraph:
         worst = max(self.proof.values())
         shapes = sorted(self.proof)
         return f"{self.graph} max|diff| {worst:.2g} over {len(shapes)} shapes"
+
+
+def _widened(args: Args, shapes: Any) -> Args:
+    """The call's arguments as export's example, with every dynamic dimension of size 1
+    doubled: export specialises a size-1 example to 1 (and refuses the range), so a first
+    call of one row (a request before any warmup) would otherwise never export."""
+    if isinstance(shapes, dict) and "args" in shapes:  # a forward(*args)
+        shapes = shapes["args"]
+
+    def widen(arg: Any, shape: Any) -> Any:
+        if isinstance(arg, (list, tuple)) and isinstance(shape, (list, tuple)):
+            return type(arg)(widen(a, s) for a, s in zip(arg, shape, strict=True))
+        if isinstance(arg, torch.Tensor) and isinstance(shape, dict):
+            for dim, spec in shape.items():
+                if spec is not None and arg.shape[dim] == 1:
+                    arg = torch.cat([arg, arg], dim)
+        return arg
+
+    return tuple(widen(a, s) for a, s in zip(args, shapes, strict=True))
 
 
 def _load(path: Path) -> Callable[..., Any]:
