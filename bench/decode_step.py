@@ -81,11 +81,18 @@ def step_ms(m: GenerativeModel, batch: int, context: int, calls: int) -> float:
 
 
 def weight_bytes(m: GenerativeModel) -> int:
+    """Bytes a decode step reads at least: every weight once (parameters and buffers, e.g.
+    bfloat16 or int4 linears), the token embedding only where it is the output layer too
+    (an untied embedding is read one row per token)."""
+    lm = m.lm
+    embed = lm.model.embed_tokens.weight
     seen, total = set(), 0
-    for p in m.lm.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
+    for t in [*lm.parameters(), *lm.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    if getattr(lm.lm_head, "weight", None) is not embed:
+        total -= embed.numel() * embed.element_size()
     return total
 
 
