@@ -27,8 +27,10 @@ from typing import Any
 from inference_api.names import DEFAULT_ADMIN_HOST, DEFAULT_ADMIN_PORT, DEFAULT_PORT
 from inference_api.plan import CompilationMode, LogprobsMode
 
-# The generative model's linear-layer weights (inference_svc.models.weights applies them).
+# The generative model's linear-layer weights (inference_svc.models.weights applies them),
+# and the flag's choices: those, or auto (inference_svc.models.cpu picks one for the CPU).
 LM_WEIGHTS = ("same", "bfloat16", "int4")
+LM_WEIGHTS_CHOICES = (*LM_WEIGHTS, "auto")
 # How compiled modes compile (inference_svc.models.compile): AOTInductor packages, or
 # torch.compile (Dynamo) in the process.
 COMPILE_BACKENDS = ("aoti", "torch-compile")
@@ -110,8 +112,9 @@ class ServiceConfig:
     dtype: str = setting("auto", "auto: bfloat16 on cuda, float32 on cpu", choices=DTYPES)
     lm_weights: str = setting(
         "same",
-        "LM linear layers: same (as --dtype), bfloat16 or int4 (the rest stays --dtype)",
-        choices=LM_WEIGHTS,
+        "LM linear layers: same (as --dtype), bfloat16, int4 (the rest stays --dtype), or "
+        "auto: the fastest for this CPU with top-1 agreement >= 0.98 (docs/numerics.md)",
+        choices=LM_WEIGHTS_CHOICES,
     )
     embed_max_batch: int = setting(32, "most inputs per Embed batch")
     embed_batch_wait_ms: float = setting(

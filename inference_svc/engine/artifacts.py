@@ -392,9 +392,11 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
             "frozen graph); this start compiles every graph"
         )
         return None
+    from inference_svc.models.cpu import concrete_lm_weights  # never "auto"
+
     shapes = {name: getattr(config, name) for name in _SHAPE_SETTINGS}
     numerics = (
-        f"device={config.device} dtype={config.dtype} lm_weights={config.lm_weights} "
+        f"device={config.device} dtype={config.dtype} lm_weights={concrete_lm_weights(config)} "
         f"logprobs={config.logprobs_mode.value}"
     )
     mode = f"{config.compilation_mode.value} backend={config.compile_backend}"

@@ -199,6 +199,8 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
     )
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
     model = load_generative(env.context(NAME), directory, limits, cache, c.lm_weights)
+    if env.lm_weights_auto:  # Describe and Info: "float32+int4-linear (auto: AMX-BF16)"
+        model.numerics += f" (auto: {env.lm_weights_auto})"
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)
     return GenerativeRuntime(

@@ -81,6 +81,8 @@ class LoadEnv:
     monitor: CompileMonitor
     compute: ComputeThread
     packages: PackageStore | None = None  # AOTInductor packages (--compile-backend aoti)
+    # Why --lm-weights auto chose config.lm_weights ("AMX-BF16"); "" when it was named.
+    lm_weights_auto: str = ""
 
     def context(self, name: str) -> ModelContext:
         """The settings the model of runtime ``name`` is built with."""

@@ -1,0 +1,132 @@
+"""What this CPU computes natively, read once, and what ``--lm-weights auto`` makes of it.
+
+``auto`` is the fastest linear-weight format for the machine among those whose top-1
+agreement with float32 stays >= 0.98 (docs/numerics.md; tests/test_accuracy.py holds each
+to it). It is resolved once, when the engine loads its models (engine/core.py): the model
+loader, the kept artifacts' key and everything below them get a concrete scheme.
+
+The rule (``AUTO_RULES``, first match wins; docs/numerics.md has it with its figures) was
+decided from the packaged SmolLM2's decode step, eager, batch 1 and 8 at context 256,
+medians of 30 calls, every format in one run (``bench/lm_weights.py``):
+
+- Intel Xeon (Sapphire Rapids class) with AMX and AVX512_BF16, 2 cores: against float32,
+  int4 1.66x / 1.83x, bfloat16 0.81x / 1.32x: int4 wins even where bfloat16 is native.
+- AMD EPYC, AVX2 only, no native bfloat16 (another machine, the same step eager): int4
+  2.3x float32 at 1 stream.
+
+int4 runs on torch's vectorised CPU kernels, so every row needs torch's own capability to
+be AVX2 or AVX512; anything else (no AVX2, another architecture: not measured) keeps the
+model's dtype. On a CUDA device ``auto`` is ``same`` (int4 and bfloat16 linears are CPU-only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inference_svc.config import ServiceConfig
+from inference_svc.models.loading import pick_device
+
+log = logging.getLogger(__name__)
+
+# Top-1 agreement of greedy tokens with float32 (docs/numerics.md, tests/test_accuracy.py):
+# auto may choose only a scheme at or above the floor.
+AGREEMENT = {"same": 1.0, "bfloat16": 0.983, "int4": 0.986}
+AGREEMENT_FLOOR = 0.98
+VECTOR = ("AVX2", "AVX512")  # torch's capability levels whose kernels are vectorised
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """torch's CPU capability (what its kernels dispatch to: "AVX512", "AVX2", "DEFAULT",
+    ...) and the feature flags /proc/cpuinfo lists (amx_bf16, avx512_bf16, avx2, ...)."""
+
+    isa: str
+    flags: frozenset[str]
+
+
+@functools.cache
+def capabilities() -> Capabilities:
+    """This machine's, read once per process (no /proc/cpuinfo: no flags)."""
+    flags: frozenset[str] = frozenset()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = frozenset(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return Capabilities(torch.backends.cpu.get_cpu_capability(), flags)
+
+
+@dataclass(frozen=True)
+class AutoRule:
+    """One row of auto's table: what the CPU must have, and the scheme it gets."""
+
+    tag: str  # what the CPU has, as the reason names it ("AMX-BF16")
+    isa: tuple[str, ...]  # torch's capability must be one of these
+    flag: str  # and /proc/cpuinfo must list this flag ("" = none needed)
+    scheme: str
+    measured: str  # the figures behind the choice, and the CPU they were measured on
+
+    def matches(self, caps: Capabilities) -> bool:
+        return caps.isa in self.isa and (not self.flag or self.flag in caps.flags)
+
+
+AUTO_RULES: tuple[AutoRule, ...] = (
+    AutoRule("AMX-BF16", VECTOR, "amx_bf16", "int4",
+             "Xeon, AMX + AVX512_BF16, 2 cores: eager decode step against float32, batch 1 / 8: "
+             "int4 1.66x / 1.83x, bfloat16 0.81x / 1.32x"),
+    AutoRule("AVX512-BF16", VECTOR, "avx512_bf16", "int4",
+             "not measured apart: bfloat16 without AMX's tiles is slower still, and int4 beat "
+             "it even with them"),
+    AutoRule("AVX-512", ("AVX512",), "", "int4",
+             "not measured apart: no native bfloat16, so as AVX2"),
+    AutoRule("AVX2", ("AVX2",), "", "int4",
+             "AMD EPYC, AVX2 only: eager int4 2.3x float32 at 1 stream"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """A concrete ``--lm-weights`` scheme, and why auto chose it ("" when it was named)."""
+
+    scheme: str
+    tag: str = ""  # short, for Describe and Info: "AMX-BF16", "CUDA", "no AVX2"
+    reason: str = ""  # the log's: "CPU has AMX-BF16"
+
+    @property
+    def auto(self) -> bool:
+        return bool(self.tag)
+
+
+def choose_lm_weights(setting: str, device: torch.device) -> WeightsChoice:
+    """``setting`` itself, or for "auto" the table's choice for this machine's CPU."""
+    if setting != "auto":
+        return WeightsChoice(setting)
+    if device.type != "cpu":
+        return WeightsChoice("same", device.type.upper(), f"a {device.type} device")
+    caps = capabilities()
+    for rule in AUTO_RULES:
+        if rule.matches(caps):
+            return WeightsChoice(rule.scheme, rule.tag, f"CPU has {rule.tag}")
+    return WeightsChoice("same", "no AVX2", f"torch's CPU capability is {caps.isa}, no AVX2")
+
+
+def concrete_lm_weights(config: ServiceConfig) -> str:
+    """The scheme ``config`` runs the LM's linear layers in ("auto" resolved)."""
+    return choose_lm_weights(config.lm_weights, pick_device(config.device)).scheme
+
+
+def resolve(config: ServiceConfig) -> tuple[ServiceConfig, WeightsChoice]:
+    """``config`` with a concrete ``lm_weights``, and the choice; logs auto's reason."""
+    choice = choose_lm_weights(config.lm_weights, pick_device(config.device))
+    if not choice.auto:
+        return config, choice
+    log.info("--lm-weights auto: %s (%s)", choice.scheme, choice.reason)
+    return dataclasses.replace(config, lm_weights=choice.scheme), choice
