@@ -1,5 +1,6 @@
 """--lm-weights: int4 groups reproduce GGUF Q4_1 blocks bit for bit; each option is
-declared (Describe, Info) and warmed: compiled on a tiny LM with no late compiles."""
+declared (Describe, Info) and warmed: compiled on a tiny LM with no late compiles; auto is
+resolved at load and reported with its reason."""
 
 from __future__ import annotations
 
@@ -106,3 +107,34 @@ async def test_each_option_is_declared_and_compiled_before_serving(
         assert next(m for m in info.models if m.kind == pb.MODEL_KIND_GENERATIVE).dtype == want
         ran, listed = await shapes_ran_and_listed(service, c)
         assert ran <= listed, sorted(map(str, ran - listed))
+
+
+@pytest.mark.parametrize(
+    ("isa", "flags", "scheme", "want"),
+    [
+        ("AVX512", {"avx2", "amx_bf16"}, "int4", "float32+int4-linear (auto: AMX-BF16)"),
+        ("DEFAULT", {"sse4_2"}, "same", "float32 (auto: no AVX2)"),
+    ],
+)
+async def test_auto_is_resolved_at_load_and_reported_with_its_reason(
+    tiny_embed_dir, tiny_lm_dir, monkeypatch, caplog, isa, flags, scheme, want
+) -> None:
+    """--lm-weights auto on a faked CPU: the engine loads a concrete scheme, logs why, and
+    Describe and Info say both."""
+    from inference_svc.models import cpu
+
+    monkeypatch.setattr(cpu, "capabilities", lambda: cpu.Capabilities(isa, frozenset(flags)))
+    caplog.set_level("INFO", logger=cpu.__name__)
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--lm-weights", "auto", "--device", "cpu")
+    async with serving(args, warm=True) as (service, c):
+        assert service.engine.config.lm_weights == scheme
+        described = await c.admin.Describe(apb.DescribeRequest())
+        assert next(m for m in described.models if m.name == "generative").numerics == want
+        info = await c.inference.Info(pb.InfoRequest())
+        assert next(m for m in info.models if m.kind == pb.MODEL_KIND_GENERATIVE).dtype == want
+        embed = next(m for m in info.models if m.kind == pb.MODEL_KIND_EMBEDDING)
+        assert embed.dtype == "float32"  # --lm-weights is the LM's alone
+        ask = pb.GenerateRequest(prompt="one two", sampling=pb.SamplingParams(max_tokens=8))
+        reply = await c.inference.Generate(ask)
+        assert reply.token_ids
+    assert f"--lm-weights auto: {scheme} (" in caplog.text
