@@ -33,6 +33,7 @@ EXPECTED: dict[str, list[str]] = {
         rf"\| Embed, one short text: median latency \| {NUM} ms \| {NUM} ms \| {NUM} ms \|",
         rf"\| Generate greedy, 8 tokens: median tokens/s \| {NUM} \| {NUM} \| {NUM} \|",
     ],
+    "lm_weights.py": [rf"int4\s+{NUM}\s+{NUM}", r"--lm-weights auto here: \S+ \("],
     "load.py": [r"\| Embed \| \d+ \| OK \d+", r"queue depth 0, rows in use 0, late compiles 0"],
     "throughput.py": [
         rf"service \(none\)\s+{NUM}\s+{NUM}",
