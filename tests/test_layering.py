@@ -124,9 +124,7 @@ def test_no_import_cycle_inside_a_package() -> None:
     graph: dict[str, set[str]] = {}
     for package in ("inference_svc", "inference_api", "warmup_ctl", "inference_cli"):
         for path in modules(package):
-            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(
-                ".__init__"
-            )
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             deps: set[str] = set()
             for node in ast.parse(path.read_text()).body:
                 if isinstance(node, ast.Import):
