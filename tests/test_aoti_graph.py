@@ -93,6 +93,24 @@ def test_a_package_is_built_once_counted_and_loaded_whole_by_the_next_start(tmp_
         assert again.total == 0
 
 
+def test_a_loaded_package_leaves_no_unpacked_copy_behind(tmp_path, monkeypatch) -> None:
+    """torch unpacks a package into $TMPDIR and cleans up only in the loader's destructor,
+    which a killed or exiting process never runs: the service removes the copy at once."""
+    module = Scale().eval()
+    kept = tmp_path / "kept"
+    with torch.no_grad():
+        graph(module, KeptDir(kept), CompileMonitor(), lo=1)(torch.randn(2, 8))
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        monkeypatch.setenv("TMPDIR", str(tmp))
+        monkeypatch.setattr("tempfile.tempdir", None)  # re-read TMPDIR
+        loaded = graph(module, KeptDir(kept), CompileMonitor(), lo=1)
+        assert loaded.source == "loaded"
+        assert list(tmp.iterdir()) == []  # nothing unpacked is left, while it is loaded
+        y = torch.randn(5, 8)
+        assert torch.allclose(loaded(y), module(y), atol=1e-5)  # and it still runs
+
+
 def test_a_module_that_does_not_export_falls_back_and_says_why() -> None:
     store = ScratchPackages()
     module = Branchy().eval()
