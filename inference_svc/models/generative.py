@@ -185,8 +185,9 @@ class GenerativeModel:
             tokens, positions = tokens.to(d), positions.to(d)
             slots = torch.arange(shape.context_len, device=d)
             which = torch.tensor([row], device=d)
-            self._vary(tokens, positions, dim=1)  # the chunk's width
-            self._vary_context(slots)
+            if self._marks(self._prefill):
+                self._vary(tokens, positions, dim=1)  # the chunk's width
+                self._vary_context(slots)
             return self._prefill(
                 tokens, positions, last.to(d), which, slots, self.k_cache, self.v_cache
             )
@@ -199,21 +200,28 @@ class GenerativeModel:
         with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
             ids, positions = ids.to(d), positions.to(d)
             slots = torch.arange(shape.context_len, device=d)
-            self._vary(ids, positions, dim=0)  # the batch
-            self._vary_context(slots)
+            if self._marks(self._decode):
+                self._vary(ids, positions, dim=0)  # the batch
+                self._vary_context(slots)
             return self._decode(ids, positions, slots, self.k_cache, self.v_cache)
+
+    def _marks(self, graph: object) -> bool:
+        """Whether a call of ``graph`` marks its varying dimensions: only where Dynamo may
+        run (a package's ranges are fixed at export; the first call, which may fall back to
+        torch.compile, and a fallback do mark)."""
+        if self.mode is CompilationMode.NONE or not self.mark_dynamic:
+            return False
+        return not isinstance(graph, AotiGraph) or graph.source not in ("loaded", "built")
 
     def _vary(self, ids: Tensor, positions: Tensor, dim: int) -> None:
         """Mark the dimension that varies between buckets as dynamic: its own symbol, never
         merged with another dimension that happens to have the same size in the first
         compile (torch's "duck sizing" would merge a 64-token chunk with head_dim 64)."""
-        if self.mode is not CompilationMode.NONE and self.mark_dynamic:
-            torch._dynamo.maybe_mark_dynamic(ids, dim)
-            torch._dynamo.maybe_mark_dynamic(positions, dim)
+        torch._dynamo.maybe_mark_dynamic(ids, dim)
+        torch._dynamo.maybe_mark_dynamic(positions, dim)
 
     def _vary_context(self, slots: Tensor) -> None:
-        if self.mode is not CompilationMode.NONE and self.mark_dynamic:
-            torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
+        torch._dynamo.maybe_mark_dynamic(slots, 0)  # the context
 
 
 def load_generative(
