@@ -9,7 +9,7 @@ import pytest
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from inference_svc.engine import artifacts
+from inference_svc.engine import artifact_key
 from tests.conftest import tiny_args
 from tests.rpc import serving
 from tests.test_compiled_tiny import eager_results, serves_like_eager  # noqa: F401
@@ -60,7 +60,7 @@ async def test_aoti_serves_like_eager_and_a_restart_loads_its_packages(
     data = bytearray(package.read_bytes())
     data[len(data) // 2] ^= 0xFF
     package.write_bytes(bytes(data))
-    assert artifacts.verify(entry, key) == (
+    assert artifact_key.verify(entry, key) == (
         "file aoti/generative-decode.pt2 is corrupt (its hash differs from the manifest's)"
     )
 

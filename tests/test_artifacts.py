@@ -26,13 +26,8 @@ from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.engine import artifacts
-from inference_svc.engine.artifacts import (
-    MANIFEST,
-    ArtifactKey,
-    CompileArtifacts,
-    _refused_marker,
-    verify,
-)
+from inference_svc.engine.artifact_key import MANIFEST, ArtifactKey, verify
+from inference_svc.engine.artifacts import CompileArtifacts, _refused_marker
 
 pytestmark = [pytest.mark.proc, pytest.mark.timeout(600)]
 TEXTS = ["kept artifacts", "a restart in seconds"]

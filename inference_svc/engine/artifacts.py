@@ -20,104 +20,31 @@ filled once, mounted read-only by many replicas) works: nothing is written to it
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
-import platform
 import shutil
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from inference_api.plan import CompilationMode
 from inference_svc.config import ServiceConfig
+from inference_svc.engine.artifact_key import (
+    FORMAT,
+    MANIFEST,
+    SHAPE_SETTINGS,
+    ArtifactKey,
+    make_key,
+    manifest_files,
+    verify,
+)
 
 log = logging.getLogger(__name__)
-MANIFEST = "manifest.json"
-FORMAT = 1
-# The code the compiled graphs come from (relative to the inference_svc package).
-_CODE = ("models", "sampling.py")
-_WEIGHT_SUFFIXES = {".safetensors", ".gguf", ".bin", ".pt", ".pth", ".json"}
-# The settings that decide the shapes the graphs are compiled for.
-_SHAPE_SETTINGS = (
-    "embed_max_batch", "gen_max_batch", "prefill_chunk_tokens", "max_input_tokens",
-    "max_new_tokens", "kv_cache_tokens",
-)  # fmt: skip
-# What each key field means, for the log line that says why artifacts were not used.
-FIELD_NAMES = {
-    "torch": "torch version",
-    "python": "Python version",
-    "cpu": "CPU capabilities",
-    "threads": "thread count",
-    "mode": "compilation mode and backend",
-    "numerics": "numerics (--dtype, --lm-weights)",
-    "shapes": "shape limits",
-    "code": "code of the compiled functions",
-    "headers": "inductor's precompiled-header directory (per user: $TMPDIR/torchinductor_<user>)",
-}
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def weights_digest(directory: Path) -> str:
-    """A hash of a model directory's weight and config files (names and contents)."""
-    h = hashlib.sha256()
-    for path in sorted(directory.rglob("*")):
-        if path.is_file() and path.suffix in _WEIGHT_SUFFIXES and not path.name.startswith("."):
-            h.update(str(path.relative_to(directory)).encode())
-            h.update(_sha256_file(path).encode())
-    return h.hexdigest()[:20]
-
-
-def code_digest() -> str:
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.sha256()
-    for part in _CODE:
-        where = root / part
-        for path in sorted(where.rglob("*.py")) if where.is_dir() else [where]:
-            h.update(path.name.encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:20]
-
-
-def cpu_digest() -> str:
-    """The instruction sets the compiled kernels may use: torch's capability level and the
-    CPU's feature flags (inductor picks vector ISAs from them)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        flags = platform.processor()
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{capability}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
-
-
-def header_dir() -> str:
-    """Where inductor keeps precompiled headers: its C++ kernels are keyed on their compile
-    command, which names this directory, so kernels compiled by another user (another
-    directory) are never found, and recompiling them beside loaded graphs fails."""
-    from torch._inductor import codecache
-    from torch._inductor import config as inductor_config
-
-    if not inductor_config.cpp_cache_precompile_headers:
-        return "off"
-    return str(getattr(codecache, "_HEADER_DIR", "unknown"))
 
 
 def _executable(directory: Path) -> bool:
@@ -149,79 +76,6 @@ def work_parent(root: Path) -> Path:
         f"no directory to compile in: {tmp} is mounted noexec or read-only (compiled kernels "
         f"cannot load from it) and so is {root}; mount {tmp} with exec"
     )
-
-
-@dataclass(frozen=True)
-class ArtifactKey:
-    fields: dict[str, str]
-
-    @property
-    def digest(self) -> str:
-        raw = json.dumps(self.fields, sort_keys=True).encode()
-        return hashlib.sha256(raw).hexdigest()[:24]
-
-    def differences(self, other: dict[str, str]) -> list[str]:
-        """What differs from another key's fields, in words."""
-        out = []
-        for name in sorted(set(self.fields) | set(other)):
-            mine, theirs = self.fields.get(name), other.get(name)
-            if mine != theirs:
-                what = FIELD_NAMES.get(name) or name.replace("weights:", "weights of ")
-                out.append(f"{what} ({theirs} there, {mine} here)")
-        return out
-
-
-def make_key(
-    mode: str, numerics: str, shapes: dict[str, object], model_dirs: dict[str, Path]
-) -> ArtifactKey:
-    fields = {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpu": cpu_digest(),
-        "threads": str(torch.get_num_threads()),
-        "mode": mode,
-        "numerics": numerics,
-        "shapes": json.dumps(shapes, sort_keys=True),
-        "code": code_digest(),
-        "headers": header_dir(),
-    }
-    for name, directory in sorted(model_dirs.items()):
-        fields[f"weights:{name}"] = weights_digest(directory)
-    return ArtifactKey(fields)
-
-
-def _files(root: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(root)): _sha256_file(p)
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and "locks" not in p.relative_to(root).parts
-    }
-
-
-def verify(entry: Path, key: ArtifactKey) -> str | None:
-    """Why the kept directory ``entry`` cannot be used for ``key``, or None if it can."""
-    try:
-        manifest = json.loads((entry / MANIFEST).read_text())
-        fields, files = manifest["key"], manifest["files"]
-    except FileNotFoundError:
-        return "no manifest (an unfinished or foreign directory)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"unreadable manifest ({type(e).__name__}: {e})"
-    if manifest.get("format") != FORMAT:
-        return f"manifest format {manifest.get('format')} (this service writes {FORMAT})"
-    if fields != key.fields:
-        return "made for another key: " + "; ".join(key.differences(fields))
-    missing = [name for name in files if not (entry / name).is_file()]
-    if missing:
-        return f"file {missing[0]} is missing"
-    # Hashed on every core (hashlib releases the GIL): the packages are hundreds of MiB.
-    names = sorted(files, key=lambda n: -(entry / n).stat().st_size)
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        digests = dict(zip(names, pool.map(lambda n: _sha256_file(entry / n), names), strict=True))
-    for name, digest in files.items():
-        if digests[name] != digest:
-            return f"file {name} is corrupt (its hash differs from the manifest's)"
-    return None
 
 
 class CompileArtifacts:
@@ -343,7 +197,7 @@ class CompileArtifacts:
             manifest = {
                 "format": FORMAT,
                 "key": self.key.fields,
-                "files": _files(tmp),
+                "files": manifest_files(tmp),
                 "boot_id": boot_id,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
@@ -394,7 +248,7 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
         return None
     from inference_svc.models.cpu import concrete_lm_weights  # never "auto"
 
-    shapes = {name: getattr(config, name) for name in _SHAPE_SETTINGS}
+    shapes = {name: getattr(config, name) for name in SHAPE_SETTINGS}
     numerics = (
         f"device={config.device} dtype={config.dtype} lm_weights={concrete_lm_weights(config)} "
         f"logprobs={config.logprobs_mode.value}"
