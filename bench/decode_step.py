@@ -1,22 +1,27 @@
-"""How far is a decode step from the machine's limit? The LM's decode step, eager and from
-an AOTInductor package (the service's own model code and padding), per batch, against the
-time it takes to read the weights once at this machine's memory bandwidth.
+"""The LM's decode step per weight format and backend, against the machine's limit.
 
-  .venv/bin/python bench/decode_step.py [--weights same,bfloat16] [--batches 1,2,8,16]
-      [--context 256] [--calls 30] [--mode max-autotune] [--freeze-weights on]
+  .venv/bin/python bench/decode_step.py [--weights same,bfloat16,int4] [--batches 1,8]
+      [--backends eager,aoti] [--context 256] [--calls 30]
+      [--mode max-autotune] [--freeze-weights on]
       [--quick --lm-model DIR]   (smoke run: tiny model, batch 1 and 2, 3 calls)
 
-A decode step reads every weight once (plus the rows' KV cache), so at small batches its
-floor is weight bytes / bandwidth; a step above it is overhead, not arithmetic. Both arms
-run in this process, one after the other, on the same inputs; the bandwidth is measured
-here too (a sum over 512 MiB). Prints the table, writes bench/results/decode_step.json.
-A benchmark, not a test: it prints figures and asserts nothing.
+The service's own model code and padding: eager (mode none) and from an AOTInductor
+package (--backends aoti; built here, at the first call). Every (weights, backend) arm is
+loaded in this process and the timed calls are interleaved round by round on the same
+inputs, so a drift of a shared machine hits every arm alike. A decode step reads every
+weight once (plus the rows' KV cache), so at small batches its floor is weight bytes /
+memory bandwidth (measured here: a sum over 512 MiB); a step above it is overhead, not
+arithmetic. Prints the CPU (what inference_svc/models/cpu.py reads), the median step per
+arm and batch with its speed-up over the first weights' eager step and its ratio to the
+floor, and what ``--lm-weights auto`` chooses here (its table comes from the eager
+columns); writes results/decode_step.json. A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import sys
 import time
@@ -32,10 +37,14 @@ from inference_api.plan import Bucket, CompilationMode, Phase  # noqa: E402
 from inference_svc.compile_monitor import CompileMonitor, Origin  # noqa: E402
 from inference_svc.engine.buckets import GenBuckets  # noqa: E402
 from inference_svc.limits import GenLimits  # noqa: E402
+from inference_svc.models import cpu  # noqa: E402
 from inference_svc.models.aoti import ScratchPackages  # noqa: E402
 from inference_svc.models.compile import ModelContext  # noqa: E402
 from inference_svc.models.generative import GenerativeModel, load_generative  # noqa: E402
 from inference_svc.models.loading import resolve_lm_dir  # noqa: E402
+
+SHOWN_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
+Arm = tuple[str, str]  # (weights, backend)
 
 
 def bandwidth_gib_s(mib: int = 512) -> float:
@@ -52,32 +61,35 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def load(
-    model: str, weights: str, mode: CompilationMode, freeze: bool, max_batch: int, aoti: bool
-) -> tuple[GenerativeModel, ScratchPackages | None]:
+    a: argparse.Namespace, weights: str, backend: str, max_batch: int, stores: list
+) -> GenerativeModel:
+    """One arm: eager (mode none), or the same model run from an AOTInductor package."""
+    aoti = backend == "aoti"
+    mode = CompilationMode(a.mode) if aoti else CompilationMode.NONE
     limits = GenLimits(max_batch, 512, 512, 64)
     store = ScratchPackages() if aoti else None
+    if store is not None:
+        stores.append(store)
     ctx = ModelContext(
-        "lm", mode, CompileMonitor(), torch.device("cpu"), torch.float32, freeze,
-        "aoti" if aoti else "torch-compile", store,
+        "lm", mode, CompileMonitor(), torch.device("cpu"), torch.float32,
+        aoti and a.freeze_weights == "on", "aoti" if aoti else "torch-compile", store,
     )  # fmt: skip
     cache = Path("~/.cache/inference-svc/models").expanduser()
-    m = load_generative(ctx, resolve_lm_dir(model), limits, cache, weights)
-    buckets = GenBuckets.plan(limits, mode, aoti=aoti)
-    m.set_ranges(buckets.ranges())
+    m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights)
+    m.set_ranges(GenBuckets.plan(limits, mode, aoti=aoti).ranges())
     m.allocate_cache(max_batch)
-    return m, store
-
-
-def step_ms(m: GenerativeModel, batch: int, context: int, calls: int) -> float:
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, m.lm.shape.vocab_size, (batch, 1), generator=gen)
-    pos = torch.randint(0, context, (batch, 1), generator=gen)
-    pos[0, 0] = context - 1
-    shape = Bucket(Phase.DECODE, batch, 1, context)
-    m.decode(ids, pos, shape, Origin.WARMUP)
-    times = [_timed(lambda: m.decode(ids, pos, shape, Origin.WARMUP)) for _ in range(calls)]
-    return statistics.median(times) * 1e3
+    return m
 
 
 def weight_bytes(m: GenerativeModel) -> int:
@@ -96,33 +108,39 @@ def weight_bytes(m: GenerativeModel) -> int:
     return total
 
 
-def measure(a: argparse.Namespace, weights: str, bandwidth: float) -> list[dict]:
-    mode = CompilationMode(a.mode)
-    freeze = a.freeze_weights == "on"
-    batches = [int(b) for b in a.batches.split(",")]
-    top = max(max(batches), 2)
-    eager, _ = load(a.lm_model or "default", weights, CompilationMode.NONE, False, top, False)
-    floor_ms = weight_bytes(eager) / 2**30 / bandwidth * 1e3
-    rows = [{"weights": weights, "batch": b, "eager_ms": step_ms(eager, b, a.context, a.calls)}
-            for b in batches]  # fmt: skip
-    del eager
-    packaged, store = load(a.lm_model or "default", weights, mode, freeze, top, True)
-    start = time.perf_counter()
-    step_ms(packaged, batches[0], a.context, 1)  # builds the package
-    build_s = time.perf_counter() - start
-    for row in rows:
-        row["aoti_ms"] = step_ms(packaged, row["batch"], a.context, a.calls)
-        row["floor_ms"] = floor_ms
-        row["build_s"] = build_s
-    assert store is not None
-    store.close()
-    return rows
+def measure(
+    models: dict[Arm, GenerativeModel], batches: list[int], context: int, calls: int
+) -> tuple[dict[tuple[Arm, int], float], dict[Arm, float]]:
+    """Median ms per (arm, batch), each round timing one call of every pair; and the
+    seconds each arm's first call took (a package's build)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab = min(m.lm.shape.vocab_size for m in models.values())
+    calls_of = {}
+    for b in batches:
+        ids = torch.randint(0, vocab, (b, 1), generator=gen)
+        pos = torch.randint(0, context, (b, 1), generator=gen)
+        pos[0, 0] = context - 1
+        calls_of[b] = (ids, pos, Bucket(Phase.DECODE, b, 1, context))
+    first: dict[Arm, float] = {}
+    for arm, m in models.items():
+        first[arm] = _timed(lambda m=m: m.decode(*calls_of[batches[0]], Origin.WARMUP))
+        for b in batches:
+            for _ in range(3):  # warm: first calls allocate, pack and dispatch
+                m.decode(*calls_of[b], Origin.WARMUP)
+    times: dict[tuple[Arm, int], list[float]] = {(arm, b): [] for arm in models for b in batches}
+    for _ in range(calls):
+        for b in batches:
+            for arm, m in models.items():
+                args = calls_of[b]
+                times[(arm, b)].append(_timed(lambda m=m, c=args: m.decode(*c, Origin.WARMUP)))
+    return {key: statistics.median(t) * 1e3 for key, t in times.items()}, first
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--weights", default="same,bfloat16", help="--lm-weights options")
-    p.add_argument("--batches", default="1,2,8,16")
+    p.add_argument("--weights", default="same,bfloat16,int4", help="--lm-weights schemes")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--backends", default="eager,aoti", help="eager and/or aoti")
     p.add_argument("--context", type=int, default=256, help="slots attended")
     p.add_argument("--calls", type=int, default=30, help="timed calls per point (median)")
     p.add_argument("--mode", default="max-autotune", choices=("default", "max-autotune"))
@@ -130,26 +148,50 @@ def main(argv: list[str] | None = None) -> int:
     add_quick_flags(p)
     a = p.parse_args(argv)
     if a.quick:
-        a.weights, a.batches, a.calls, a.mode, a.context = "same", "1,2", 3, "default", 32
+        a.weights, a.batches, a.calls, a.mode, a.context = "same,int4", "1,2", 3, "default", 32
+    weights, backends = a.weights.split(","), a.backends.split(",")
+    batches = [int(b) for b in a.batches.split(",")]
     bandwidth = bandwidth_gib_s(64 if a.quick else 512)
-    cpu = torch.backends.cpu.get_cpu_capability()
-    print(f"memory read bandwidth {bandwidth:.1f} GiB/s; CPU {cpu}, "
-          f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
-    rows = []  # loaded outside inference mode: torch.export cannot trace inference tensors
-    for weights in a.weights.split(","):
-        rows += measure(a, weights, bandwidth)
-    print(f"\ndecode step at context {a.context}, mode {a.mode}, freeze {a.freeze_weights} (ms)")
-    print(f"{'weights':10} {'batch':>5} {'eager':>8} {'aoti':>8} {'eager/aoti':>10} "
-          f"{'floor':>7} {'aoti/floor':>10}")  # fmt: skip
-    for r in rows:
-        print(f"{r['weights']:10} {r['batch']:>5} {r['eager_ms']:8.2f} {r['aoti_ms']:8.2f} "
-              f"{r['eager_ms'] / r['aoti_ms']:10.2f} {r['floor_ms']:7.2f} "
-              f"{r['aoti_ms'] / r['floor_ms']:10.2f}")  # fmt: skip
-    builds = {r["weights"]: round(r["build_s"], 1) for r in rows}
-    print(f"package build (export + compile) seconds: {builds}")
+    caps = cpu.capabilities()
+    flags = [f for f in SHOWN_FLAGS if f in caps.flags]
+    print(f"CPU {cpu_name()}; torch {torch.__version__} capability {caps.isa}; flags "
+          f"{' '.join(flags) or 'none of ' + ' '.join(SHOWN_FLAGS)}; "
+          f"{torch.get_num_threads()} threads; memory read bandwidth {bandwidth:.1f} GiB/s",
+          flush=True)  # fmt: skip
+    stores: list[ScratchPackages] = []
+    top = max(max(batches), 2)
+    # Loaded outside inference mode: torch.export cannot trace inference tensors.
+    models = {(w, be): load(a, w, be, top, stores) for w in weights for be in backends}
+    floors = {arm: weight_bytes(m) / 2**30 / bandwidth * 1e3 for arm, m in models.items()}
+    with torch.inference_mode():
+        ms, first = measure(models, batches, a.context, a.calls)
+    for store in stores:
+        store.close()
+    base = (weights[0], backends[0])
+    print(f"\ndecode step, context {a.context}, median of {a.calls} calls (ms); x: speed-up over "
+          f"{base[0]} {base[1]}; /floor: over reading the weights once; packages: mode "
+          f"{a.mode}, freeze {a.freeze_weights}")  # fmt: skip
+    head = "".join(f" {'batch ' + str(b):>9} {'x':>5} {'/floor':>6}" for b in batches)
+    print(f"{'weights':9} {'backend':7} {'floor':>6}" + head)
+    rows = []
+    for arm in models:
+        cells = "".join(f" {ms[(arm, b)]:9.2f} {ms[(base, b)] / ms[(arm, b)]:5.2f} "
+                        f"{ms[(arm, b)] / floors[arm]:6.2f}" for b in batches)  # fmt: skip
+        print(f"{arm[0]:9} {arm[1]:7} {floors[arm]:6.2f}" + cells)
+        rows += [{"weights": arm[0], "backend": arm[1], "batch": b, "ms": ms[(arm, b)],
+                  "floor_ms": floors[arm], "first_call_s": first[arm]}
+                 for b in batches]  # fmt: skip
+    builds = {f"{w} {be}": round(s, 1) for (w, be), s in first.items() if be == "aoti"}
+    if builds:
+        print(f"package build (export + compile) seconds: {builds}")
+    choice = cpu.choose_lm_weights("auto", torch.device("cpu"))
+    print(f"--lm-weights auto here: {choice.scheme} ({choice.reason})")
     out = results_dir(a) / "decode_step.json"
-    out.write_text(json.dumps({"bandwidth_gib_s": bandwidth, "rows": rows, **vars(a) | {
-        "results": None}}, indent=1, default=str))  # fmt: skip
+    out.write_text(json.dumps({
+        "cpu": cpu_name(), "capability": caps.isa, "flags": flags, "auto": choice.scheme,
+        "threads": torch.get_num_threads(), "bandwidth_gib_s": bandwidth, "rows": rows,
+        **vars(a) | {"results": None},
+    }, indent=1, default=str))  # fmt: skip
     print(f"wrote {out}")
     return 0
 

@@ -27,13 +27,16 @@ EXPECTED: dict[str, list[str]] = {
         rf"\| no-sidecar \| Generate logprobs=2 \| {NUM} \| {NUM} \| {NUM} \|",
     ],
     "compiled.py": [rf"float32\s+32\s+{NUM}", rf"float32\s+8\s+{NUM}"],
-    "decode_step.py": [r"memory read bandwidth", rf"same\s+1\s+{NUM}\s+{NUM}\s+{NUM}"],
+    "decode_step.py": [
+        r"memory read bandwidth",
+        rf"int4\s+aoti\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}",
+        r"--lm-weights auto here: \S+ \(",
+    ],
     "embed_load.py": [rf"\| 4 \| {NUM} \| {NUM} \| {NUM} \|"],
     "latency.py": [
         rf"\| Embed, one short text: median latency \| {NUM} ms \| {NUM} ms \| {NUM} ms \|",
         rf"\| Generate greedy, 8 tokens: median tokens/s \| {NUM} \| {NUM} \| {NUM} \|",
     ],
-    "lm_weights.py": [rf"int4\s+{NUM}\s+{NUM}", r"--lm-weights auto here: \S+ \("],
     "load.py": [r"\| Embed \| \d+ \| OK \d+", r"queue depth 0, rows in use 0, late compiles 0"],
     "throughput.py": [
         rf"service \(none\)\s+{NUM}\s+{NUM}",

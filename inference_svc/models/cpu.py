@@ -7,7 +7,7 @@ loader, the kept artifacts' key and everything below them get a concrete scheme.
 
 The rule (``AUTO_RULES``, first match wins; docs/numerics.md has it with its figures) was
 decided from the packaged SmolLM2's decode step, eager, batch 1 and 8 at context 256,
-medians of 30 calls, every format in one run (``bench/lm_weights.py``):
+medians of 30 calls, every format in one run (``bench/decode_step.py --backends eager``):
 
 - Intel Xeon (Sapphire Rapids class) with AMX and AVX512_BF16, 2 cores: against float32,
   int4 1.66x / 1.83x, bfloat16 0.81x / 1.32x: int4 wins even where bfloat16 is native.
