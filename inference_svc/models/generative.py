@@ -77,6 +77,7 @@ class GenerativeModel:
         limits: GenLimits,
         eos_ids: frozenset[int],
         weights: str = "same",
+        weights_why: str = "",
     ) -> None:
         self.ctx = ctx
         self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
@@ -88,7 +89,7 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics(self.dtype, weights)
+        self.numerics = numerics(self.dtype, weights, weights_why)
         # Mark the varying dimensions dynamic before each compiled call (see _vary). Off when
         # the graphs came from kept artifacts: torch 2.13 saves their guards as if nothing
         # had been marked, and a marked input then fails them ("_has_dynamo_dim_marking is
@@ -230,7 +231,10 @@ def load_generative(
     limits: GenLimits,
     cache_dir: Path | None = None,
     weights: str = "same",
+    weights_why: str = "",
 ) -> GenerativeModel:
+    """The LM in ``directory``, its linears in ``weights`` (a concrete scheme; ``weights_why``
+    is why --lm-weights auto chose it, "" when it was named)."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     shape = LlamaShape.from_hf(config)  # ValueError for an architecture not supported
     if shape.sliding_window is not None and limits.max_seq_len > shape.sliding_window:
@@ -259,4 +263,4 @@ def load_generative(
     elif config.eos_token_id is not None:
         eos.add(config.eos_token_id)
     eos.discard(None)
-    return GenerativeModel(ctx, lm, tokenizer, limits, frozenset(eos), weights)
+    return GenerativeModel(ctx, lm, tokenizer, limits, frozenset(eos), weights, weights_why)

@@ -103,10 +103,11 @@ def convert_linears(lm: nn.Module, scheme: str) -> None:
         log.info("linear layers in bfloat16")
 
 
-def numerics(dtype: torch.dtype, scheme: str) -> str:
+def numerics(dtype: torch.dtype, scheme: str, why: str = "") -> str:
     """What a model computes in, as Describe and Info report it: ``float32``,
-    ``float32+int4-linear`` (the dtype, then the linear layers' weights if other)."""
+    ``float32+int4-linear`` (the dtype, then the linear layers' weights if other), then why
+    --lm-weights auto chose them: ``float32+int4-linear (auto: AMX-BF16)``."""
     name = str(dtype).removeprefix("torch.")
-    if scheme == "same" or (scheme == "bfloat16" and dtype == torch.bfloat16):
-        return name
-    return f"{name}+{scheme}-linear"
+    if not (scheme == "same" or (scheme == "bfloat16" and dtype == torch.bfloat16)):
+        name = f"{name}+{scheme}-linear"
+    return f"{name} (auto: {why})" if why else name
