@@ -31,6 +31,7 @@ from inference_api.plan import CompilationMode, LogprobsMode
 # and the flag's choices: those, or auto (inference_svc.models.cpu picks one for the CPU).
 LM_WEIGHTS = ("same", "bfloat16", "int4")
 LM_WEIGHTS_CHOICES = (*LM_WEIGHTS, "auto")
+EMBED_DTYPES = ("same", "float32", "bfloat16", "auto")
 # How compiled modes compile (inference_svc.models.compile): AOTInductor packages, or
 # torch.compile (Dynamo) in the process.
 COMPILE_BACKENDS = ("aoti", "torch-compile")
@@ -115,6 +116,13 @@ class ServiceConfig:
         "LM linear layers: same (as --dtype), bfloat16, int4 (the rest stays --dtype), or "
         "auto: the fastest for this CPU with top-1 agreement >= 0.98 (docs/numerics.md)",
         choices=LM_WEIGHTS_CHOICES,
+    )
+    embed_dtype: str = setting(
+        "same",
+        "Embed model's dtype: same (as --dtype), float32, bfloat16, or auto: bfloat16 where "
+        "the CPU computes it natively (AMX or AVX512_BF16; cosine with float32 >= 0.9999), "
+        "else same (docs/numerics.md)",
+        choices=EMBED_DTYPES,
     )
     embed_max_batch: int = setting(32, "most inputs per Embed batch")
     embed_batch_wait_ms: float = setting(

@@ -1,6 +1,7 @@
-"""--lm-weights auto: the table's choice per CPU capability (faked), resolved once to a
-concrete scheme that the kept artifacts' key and the loaders see; never "auto" below config.
-A service started with it reports the choice and why: tests/test_weights.py."""
+"""--lm-weights auto and --embed-dtype auto: the table's choice per CPU capability (faked),
+resolved once to a concrete scheme that the kept artifacts' key and the loaders see; never
+"auto" below config. A service started with them reports the choice and why:
+tests/test_weights.py."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_auto_on_cuda_keeps_the_dtype(monkeypatch) -> None:
     choice = cpu.choose_lm_weights("auto", torch.device("cuda", 0))
     assert (choice.scheme, choice.tag, choice.reason) == ("same", "CUDA", "a cuda device")
     config, resolved = cpu.resolve(parse_config(["--lm-weights", "auto", "--device", "cuda"]))
-    assert config.lm_weights == "same" and resolved.tag == "CUDA"
+    assert config.lm_weights == "same" and resolved.lm.tag == "CUDA"
 
 
 def test_a_named_scheme_is_kept_as_it_is(monkeypatch) -> None:
@@ -60,7 +61,8 @@ def test_a_named_scheme_is_kept_as_it_is(monkeypatch) -> None:
     for scheme in LM_WEIGHTS:
         assert cpu.choose_lm_weights(scheme, CPU) == cpu.WeightsChoice(scheme)
         config = parse_config(["--lm-weights", scheme])
-        assert cpu.resolve(config) == (config, cpu.WeightsChoice(scheme))
+        same = cpu.WeightsChoice("same")
+        assert cpu.resolve(config) == (config, cpu.Choices(cpu.WeightsChoice(scheme), same))
 
 
 def test_every_rule_keeps_agreement_with_float32() -> None:
@@ -74,9 +76,37 @@ def test_every_rule_keeps_agreement_with_float32() -> None:
 def test_resolve_logs_the_choice_and_its_reason(monkeypatch, caplog) -> None:
     fake(monkeypatch, AMX)
     caplog.set_level("INFO", logger=cpu.__name__)
-    config, choice = cpu.resolve(parse_config(["--lm-weights", "auto", "--device", "cpu"]))
-    assert config.lm_weights == "int4" and choice.tag == "AMX-BF16"
+    args = ["--lm-weights", "auto", "--embed-dtype", "auto", "--device", "cpu"]
+    config, choice = cpu.resolve(parse_config(args))
+    assert config.lm_weights == "int4" and choice.lm.tag == "AMX-BF16"
+    assert config.embed_dtype == "bfloat16" and choice.embed.tag == "AMX-BF16"
     assert "--lm-weights auto: int4 (CPU has AMX-BF16)" in caplog.text
+    assert "--embed-dtype auto: bfloat16 (CPU has AMX-BF16)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("caps", "dtype", "tag"),
+    [
+        (AMX, "bfloat16", "AMX-BF16"),
+        (AVX512_BF16, "bfloat16", "AVX512-BF16"),
+        (AVX512, "same", "no native bfloat16"),  # bfloat16 emulated: slower than float32
+        (AVX2, "same", "no native bfloat16"),
+        (NO_VECTOR, "same", "no native bfloat16"),
+        (cpu.Capabilities("DEFAULT", AMX.flags), "same", "no native bfloat16"),
+    ],
+)
+def test_embed_dtype_auto_picks_bfloat16_only_where_the_cpu_computes_it(
+    monkeypatch, caps, dtype, tag
+) -> None:
+    fake(monkeypatch, caps)
+    choice = cpu.choose_embed_dtype("auto", CPU)
+    assert (choice.scheme, choice.tag) == (dtype, tag) and choice.reason
+    assert cpu.choose_embed_dtype("auto", torch.device("cuda", 0)).scheme == "same"
+    for named in ("same", "float32", "bfloat16"):
+        assert cpu.choose_embed_dtype(named, CPU) == cpu.WeightsChoice(named)
+    assert parse_config([]).embed_dtype == "same"  # the default: exact float32 vectors
+    for rule in cpu.EMBED_AUTO_RULES:
+        assert rule.measured
 
 
 def test_the_default_stays_same_and_nothing_below_config_takes_auto() -> None:
@@ -95,12 +125,13 @@ def test_the_kept_artifacts_key_names_the_resolved_scheme(
     lm = tmp_path / "lm"
     lm.mkdir()
     args = ["--lm-weights", "auto", "--device", "cpu", "--compilation-mode", "default",
-            "--compile-cache-dir", str(tmp_path / "kept")]  # fmt: skip
+            "--compile-cache-dir", str(tmp_path / "kept"), "--embed-dtype", "auto"]  # fmt: skip
     store = for_config(parse_config(args), {"generative": lm})
     assert store is not None
     try:
         numerics = store.key.fields["numerics"]
         assert f"lm_weights={scheme} " in numerics and "lm_weights=auto" not in numerics
+        assert "embed_dtype=auto" not in numerics
     finally:
         store.close()
     # The same key as the scheme named outright.

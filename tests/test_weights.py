@@ -110,22 +110,25 @@ async def test_each_option_is_declared_and_compiled_before_serving(
 
 
 @pytest.mark.parametrize(
-    ("isa", "flags", "scheme", "want"),
+    ("isa", "flags", "scheme", "want", "embed_want"),
     [
-        ("AVX512", {"avx2", "amx_bf16"}, "int4", "float32+int4-linear (auto: AMX-BF16)"),
-        ("DEFAULT", {"sse4_2"}, "same", "float32 (auto: no AVX2)"),
+        ("AVX512", {"avx2", "amx_bf16"}, "int4", "float32+int4-linear (auto: AMX-BF16)",
+         "bfloat16 (auto: AMX-BF16)"),
+        ("DEFAULT", {"sse4_2"}, "same", "float32 (auto: no AVX2)",
+         "float32 (auto: no native bfloat16)"),
     ],
-)
+)  # fmt: skip
 async def test_auto_is_resolved_at_load_and_reported_with_its_reason(
-    tiny_embed_dir, tiny_lm_dir, monkeypatch, caplog, isa, flags, scheme, want
+    tiny_embed_dir, tiny_lm_dir, monkeypatch, caplog, isa, flags, scheme, want, embed_want
 ) -> None:
-    """--lm-weights auto on a faked CPU: the engine loads a concrete scheme, logs why, and
-    Describe and Info say both."""
+    """--lm-weights auto and --embed-dtype auto on a faked CPU: the engine loads concrete
+    choices, logs why, and Describe and Info say both; Embed answers in the chosen dtype."""
     from inference_svc.models import cpu
 
     monkeypatch.setattr(cpu, "capabilities", lambda: cpu.Capabilities(isa, frozenset(flags)))
     caplog.set_level("INFO", logger=cpu.__name__)
-    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--lm-weights", "auto", "--device", "cpu")
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--lm-weights", "auto", "--device", "cpu",
+                     "--embed-dtype", "auto")  # fmt: skip
     async with serving(args, warm=True) as (service, c):
         assert service.engine.config.lm_weights == scheme
         described = await c.admin.Describe(apb.DescribeRequest())
@@ -133,7 +136,11 @@ async def test_auto_is_resolved_at_load_and_reported_with_its_reason(
         info = await c.inference.Info(pb.InfoRequest())
         assert next(m for m in info.models if m.kind == pb.MODEL_KIND_GENERATIVE).dtype == want
         embed = next(m for m in info.models if m.kind == pb.MODEL_KIND_EMBEDDING)
-        assert embed.dtype == "float32"  # --lm-weights is the LM's alone
+        assert embed.dtype == embed_want  # --lm-weights is the LM's alone, --embed-dtype Embed's
+        assert next(m for m in described.models if m.name == "embedding").numerics == embed_want
+        vectors = await c.inference.Embed(pb.EmbedRequest(inputs=["a text"]))
+        norm = sum(v * v for v in vectors.embeddings[0].values) ** 0.5
+        assert abs(norm - 1) < 1e-3, norm  # computed in the chosen dtype, returned as float32
         ask = pb.GenerateRequest(prompt="one two", sampling=pb.SamplingParams(max_tokens=8))
         reply = await c.inference.Generate(ask)
         assert reply.token_ids

@@ -69,13 +69,15 @@ class Engine:
     def load(self) -> None:
         """Load the configured models (blocking: run it off the event loop)."""
         self.monitor.install()
-        # --lm-weights auto becomes a concrete scheme here, once: the kept artifacts' key and
-        # the loaders see only that; the reason goes to Describe and Info (numerics).
-        self.config, weights = cpu.resolve(self.config)
+        # --lm-weights and --embed-dtype auto become concrete here, once: the kept artifacts'
+        # key and the loaders see only that; the reason goes to Describe and Info (numerics).
+        self.config, auto = cpu.resolve(self.config)
         chosen = [(k, m) for k in self.kinds if (m := k.model(self.config)) is not None]
         dirs = {k.name: k.resolve(m) for k, m in chosen}
         self.artifacts = KeptArtifacts.open(self.config, dirs, self.compute)
-        env = LoadEnv(self.config, self.monitor, self.compute, self._packages(), weights.tag)
+        env = LoadEnv(
+            self.config, self.monitor, self.compute, self._packages(), auto.lm.tag, auto.embed.tag
+        )
         for kind, _ in chosen:
             self._load_one(kind, env, dirs[kind.name])
         self._seed(self.config.seed)  # a fresh process starts from the configured random state

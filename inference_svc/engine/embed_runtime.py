@@ -193,7 +193,7 @@ class EmbeddingRuntime(RuntimeBase):
 
 def load(env: LoadEnv, directory: Path) -> EmbeddingRuntime:
     c = env.config
-    model = load_embedding(env.context(NAME), directory)
+    model = load_embedding(env.context(NAME, c.embed_dtype), directory, env.embed_dtype_auto)
     model.warm_text()
     return EmbeddingRuntime(
         model, display_name(c.embed_model, directory), c.max_queue, env.monitor, env.compute,

@@ -83,12 +83,14 @@ class LoadEnv:
     packages: PackageStore | None = None  # AOTInductor packages (--compile-backend aoti)
     # Why --lm-weights auto chose config.lm_weights ("AMX-BF16"); "" when it was named.
     lm_weights_auto: str = ""
+    embed_dtype_auto: str = ""  # the same for --embed-dtype auto
 
-    def context(self, name: str) -> ModelContext:
-        """The settings the model of runtime ``name`` is built with."""
+    def context(self, name: str, dtype_setting: str = "same") -> ModelContext:
+        """The settings the model of runtime ``name`` is built with; ``dtype_setting`` other
+        than "same" (--embed-dtype) overrides --dtype for that model."""
         c = self.config
         device = pick_device(c.device)
-        dtype = pick_dtype(c.dtype, device)
+        dtype = pick_dtype(c.dtype if dtype_setting == "same" else dtype_setting, device)
         return ModelContext(
             name, c.compilation_mode, self.monitor, device, dtype, c.freeze_weights,
             c.compile_backend, self.packages,

@@ -67,7 +67,12 @@ class EmbeddingModel:
     has_kv_cache = False
 
     def __init__(
-        self, ctx: ModelContext, pooled: _Pooled, tokenizer: object, max_input_tokens: int
+        self,
+        ctx: ModelContext,
+        pooled: _Pooled,
+        tokenizer: object,
+        max_input_tokens: int,
+        dtype_why: str = "",
     ) -> None:
         self.ctx = ctx
         self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
@@ -75,7 +80,7 @@ class EmbeddingModel:
         self.max_input_tokens = max_input_tokens
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics(self.dtype, "same")
+        self.numerics = numerics(self.dtype, "same", dtype_why)
         self.dimensions = pooled.encoder.config.hidden_size
         self.vocab_size = pooled.encoder.config.vocab_size
         self.pad_id = tokenizer.pad_token_id or 0
@@ -111,7 +116,9 @@ class EmbeddingModel:
         return self.forward(ids, mask, Origin.WARMUP)
 
 
-def load_embedding(ctx: ModelContext, directory: Path) -> EmbeddingModel:
+def load_embedding(ctx: ModelContext, directory: Path, dtype_why: str = "") -> EmbeddingModel:
+    """The sentence-embedding model in ``directory``, in ``ctx.dtype`` (``dtype_why``: why
+    --embed-dtype auto chose it, "" when it was named)."""
     from transformers import AutoModel, AutoTokenizer
 
     offline()
@@ -121,4 +128,4 @@ def load_embedding(ctx: ModelContext, directory: Path) -> EmbeddingModel:
     limit = int(st_limit or encoder.config.max_position_embeddings)
     limit = min(limit, encoder.config.max_position_embeddings)
     pooled = _Pooled(encoder, pooling_mode(directory)).to(ctx.device).eval()
-    return EmbeddingModel(ctx, pooled, tokenizer, limit)
+    return EmbeddingModel(ctx, pooled, tokenizer, limit, dtype_why)
