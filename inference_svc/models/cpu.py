@@ -107,15 +107,8 @@ class WeightsChoice:
 
 def choose_lm_weights(setting: str, device: torch.device) -> WeightsChoice:
     """``setting`` itself, or for "auto" the table's choice for this machine's CPU."""
-    if setting != "auto":
-        return WeightsChoice(setting)
-    if device.type != "cpu":
-        return WeightsChoice("same", device.type.upper(), f"a {device.type} device")
-    caps = capabilities()
-    for rule in AUTO_RULES:
-        if rule.matches(caps):
-            return WeightsChoice(rule.scheme, rule.tag, f"CPU has {rule.tag}")
-    return WeightsChoice("same", "no AVX2", f"torch's CPU capability is {caps.isa}, no AVX2")
+    no_avx2 = ("no AVX2", "torch's CPU capability is {isa}, no AVX2")
+    return _choose(setting, device, AUTO_RULES, no_avx2)
 
 
 # --embed-dtype auto: bfloat16 where the CPU computes it natively. The encoder's batched
@@ -134,15 +127,25 @@ EMBED_AUTO_RULES: tuple[AutoRule, ...] = (
 def choose_embed_dtype(setting: str, device: torch.device) -> WeightsChoice:
     """``setting`` itself, or for "auto": bfloat16 on a CPU with native bfloat16, else
     "same" (the model's --dtype; on CUDA --dtype auto is bfloat16 already)."""
+    none = ("no native bfloat16", "the CPU has no AMX or AVX512_BF16")
+    return _choose(setting, device, EMBED_AUTO_RULES, none)
+
+
+def _choose(
+    setting: str, device: torch.device, rules: tuple[AutoRule, ...], otherwise: tuple[str, str]
+) -> WeightsChoice:
+    """A named setting as it is; "auto": "same" off the CPU, else the first rule this CPU
+    matches, else "same" for ``otherwise``'s (tag, reason)."""
     if setting != "auto":
         return WeightsChoice(setting)
     if device.type != "cpu":
         return WeightsChoice("same", device.type.upper(), f"a {device.type} device")
     caps = capabilities()
-    for rule in EMBED_AUTO_RULES:
+    for rule in rules:
         if rule.matches(caps):
             return WeightsChoice(rule.scheme, rule.tag, f"CPU has {rule.tag}")
-    return WeightsChoice("same", "no native bfloat16", "the CPU has no AMX or AVX512_BF16")
+    tag, reason = otherwise
+    return WeightsChoice("same", tag, reason.format(isa=caps.isa))
 
 
 def concrete_lm_weights(config: ServiceConfig) -> str:
