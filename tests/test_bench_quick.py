@@ -32,6 +32,7 @@ EXPECTED: dict[str, list[str]] = {
         rf"int4\s+aoti\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}",
         r"--lm-weights auto here: \S+ \(",
     ],
+    "embed_step.py": [rf"float32\s+eager\s+{NUM}\s+{NUM}", r"--embed-dtype auto here: \S+ \("],
     "embed_load.py": [rf"\| 4 \| {NUM} \| {NUM} \| {NUM} \|"],
     "latency.py": [
         rf"\| Embed, one short text: median latency \| {NUM} ms \| {NUM} ms \| {NUM} ms \|",
