@@ -6,8 +6,10 @@ One system after another (never two at once: they would share the CPU):
     over gRPC, each one short text per call in a closed loop (1 and 32 clients);
   - Generate services (--embed-model none), each mode x --lm-weights {same, bfloat16,
     int4}: greedy GenerateStream, 64 new tokens, 1 stream and 8 concurrent streams;
-  - sentence-transformers in this process at batch 32 on the same texts, and llama.cpp
-    on the same GGUF file and threads, one stream (when installed).
+  - sentence-transformers in this process at batch 32 on the same texts, and llama.cpp's
+    own HTTP server (llama-server, continuous batching; bench/peer_server.py, built by
+    bench/build_llama_server.sh) on the same GGUF file and threads, at the same stream
+    counts as the Generate services (when built).
 Prints the table and the goals' ratios, writes bench/results/compiled.json and
 compiled.png. bench/accuracy.py measures what each option costs in accuracy.
 
@@ -41,7 +43,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import add_quick_flags, model_args, results_dir, save_plot  # noqa: E402
 from bench.embed_load import clients, sentence_transformers_batch  # noqa: E402
-from bench.throughput import concurrency, cpu_threads, llama_cpp_arm, stream  # noqa: E402
+from bench.peer_server import PEER, cpu_threads, llama_server_arm  # noqa: E402
+from bench.throughput import concurrency, stream  # noqa: E402
 from harness.procs import running_service  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
@@ -122,17 +125,42 @@ def ratio(a: float | None, b: float | None) -> str:
     return f"{a / b:.2f}" if a and b else "-"
 
 
-def table(r: dict, kind: str, options: dict, key: str, counts: tuple[int, ...], unit: str) -> None:
-    """One row per option and load: the figure in each mode, then compiled / eager."""
+def peer_tok_s(r: dict) -> dict[int, float]:
+    """The Generate peer's tokens/s by stream count: llama-server, or (results from before
+    it) the in-process llama-cpp-python, one stream."""
+    if r.get("llama_server"):
+        return {row["streams"]: row["tok_s"] for row in r["llama_server"]["curve"]}
+    return {1: r["llama_cpp_1"]} if r.get("llama_cpp_1") else {}
+
+
+def table(
+    r: dict,
+    kind: str,
+    options: dict,
+    key: str,
+    counts: tuple[int, ...],
+    unit: str,
+    peer: dict[int, float] | None = None,
+) -> None:
+    """One row per option and load: the figure in each mode, then compiled / eager; with a
+    ``peer`` (figure by load), the peer's figure and each mode / the peer."""
     modes = r["modes"]
-    print(f"{'option':<14}{key:>8}" + "".join(f"{m:>13}" for m in modes) + f"{'c/e':>7}")
+    head = f"{'option':<14}{key:>8}" + "".join(f"{m:>13}" for m in modes) + f"{'c/e':>7}"
+    if peer:
+        head += f"{PEER:>14}" + "".join(f"{m + '/peer':>14}" for m in modes)
+    print(head)
     for option in options:
         for n in counts:
             v = [r[kind].get(f"{m} {option}", {}).get(f"{key}_{n}", {}).get(unit) for m in modes]
             if not any(v):  # not measured in this run (--options)
                 continue
-            print(f"{option:<14}{n:>8}" + "".join(f"{x or 0:>13.1f}" for x in v)
-                  + f"{ratio(v[-1], v[0]):>7}")  # fmt: skip
+            row = f"{option:<14}{n:>8}" + "".join(f"{x or 0:>13.1f}" for x in v)
+            row += f"{ratio(v[-1], v[0]):>7}"
+            if peer:
+                row += f"{peer.get(n, 0):>14.1f}" + "".join(
+                    f"{ratio(x, peer.get(n)):>14}" for x in v
+                )
+            print(row)
 
 
 def report(r: dict) -> None:
@@ -141,17 +169,25 @@ def report(r: dict) -> None:
     table(r, "embed", EMBED_OPTIONS, "clients", (1, 32), "texts_s")
     print(f"\nGenerate, tokens/s (greedy, {r.get('tokens', 64)} new tokens per stream)"
           + (f" (from {r['generate_from']})" if r.get("generate_from") else ""))  # fmt: skip
-    table(r, "generate", LM_OPTIONS, "streams", (1, 8), "tok_s")
-    st, llama = r.get("sentence_transformers_b32"), r.get("llama_cpp_1")
+    counts = tuple(sorted({int(k.split("_")[1]) for g in r["generate"].values()
+                           for k in g if k.startswith("streams_")})) or (1, 8)  # fmt: skip
+    peer = peer_tok_s(r)
+    table(r, "generate", LM_OPTIONS, "streams", counts, "tok_s", peer)
+    st, llama = r.get("sentence_transformers_b32"), peer.get(1)
     print(f"\nsentence-transformers in process, batch 32: {st or 0:.0f} texts/s")
-    print(f"llama.cpp, 1 stream: {llama or 0:.1f} tok/s")
+    if r.get("llama_server"):
+        print(f"{PEER} ({r['llama_server']['binary']}): "
+              + ", ".join(f"{n} streams {v:.1f}" for n, v in peer.items()) + " tok/s")  # fmt: skip
+    else:
+        print(f"llama.cpp, 1 stream: {llama or 0:.1f} tok/s")
     best = max(((k, v["clients_32"]["texts_s"]) for k, v in r["embed"].items()),
                key=lambda kv: kv[1], default=(None, None))  # fmt: skip
     print(f"Embed 32 clients (best: {best[0]}) / sentence-transformers: {ratio(best[1], st)}"
           "  (goal >= 0.8)")  # fmt: skip
     int4 = r["generate"].get(f"{modes[-1]} int4-linear", {}).get("streams_1", {}).get("tok_s")
-    print(f"Generate 1 stream ({modes[-1]} int4-linear) / llama.cpp: {ratio(int4, llama)}"
-          "  (goal >= 0.5)")  # fmt: skip
+    name = PEER if r.get("llama_server") else "llama.cpp"
+    print(f"Generate 1 stream ({modes[-1]} int4-linear) / {name} 1 stream: "
+          f"{ratio(int4, llama)}  (goal >= 0.5)")  # fmt: skip
 
 
 def plot(r: dict, path: Path) -> None:
@@ -166,17 +202,20 @@ def plot(r: dict, path: Path) -> None:
         ("generate", "streams_8", "tok_s", "Generate, 8 streams: tokens/s", LM_OPTIONS),
         ("generate", "streams_1", "tok_s", "Generate, 1 stream: tokens/s", LM_OPTIONS),
     ]
-    peers = ["sentence_transformers_b32", None, "llama_cpp_1"]
+    generate_peer, peer_name = peer_tok_s(r), PEER if r.get("llama_server") else "llama.cpp"
+    peers = [("sentence-transformers b32", r.get("sentence_transformers_b32")),
+             (peer_name, generate_peer.get(8)), (peer_name, generate_peer.get(1))]  # fmt: skip
     width = 0.8 / len(r["modes"])
-    for ax, (kind, key, unit, title, options), peer in zip(axes, panels, peers, strict=True):
+    for ax, (kind, key, unit, title, options), (name, peer) in zip(
+        axes, panels, peers, strict=True
+    ):
         for j, mode in enumerate(r["modes"]):
             ys = [r[kind].get(f"{mode} {o}", {}).get(key, {}).get(unit, 0) for o in options]
             ax.bar([i + j * width for i in range(len(options))], ys, width, label=mode)
         ax.set_xticks([i + width * (len(r["modes"]) - 1) / 2 for i in range(len(options))],
                       list(options))  # fmt: skip
-        if peer and r.get(peer):
-            name = "sentence-transformers b32" if "sentence" in peer else "llama.cpp"
-            ax.axhline(r[peer], linestyle="--", color="grey", label=name)
+        if peer:
+            ax.axhline(peer, linestyle="--", color="grey", label=name)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
@@ -223,13 +262,13 @@ def main(argv: list[str] | None = None) -> int:
         r["backend"] = a.backend
         if "generate" not in kinds and path.exists():  # keep the last run's Generate figures
             last = json.loads(path.read_text())
-            r["generate"], r["llama_cpp_1"] = last["generate"], last.get("llama_cpp_1")
+            r["generate"], r["llama_server"] = last["generate"], last.get("llama_server")
+            r["llama_cpp_1"] = last.get("llama_cpp_1")  # results from before llama-server
             r["generate_from"] = last.get("generate_from") or f"commit {last.get('commit')}"
         if not a.no_peers and "embed" in kinds:
             r["sentence_transformers_b32"] = sentence_transformers_batch(32, a.seconds)
         if not a.no_peers and "generate" in kinds:
-            peer = llama_cpp_arm(a.tokens)
-            r["llama_cpp_1"] = peer["curve"][0]["tok_s"] if peer else None
+            r["llama_server"] = llama_server_arm(list(streams), a.tokens)
         wanted = set(a.options.split(",")) if a.options else set(EMBED_OPTIONS) | set(LM_OPTIONS)
         for option in [o for o in EMBED_OPTIONS if o in wanted] if "embed" in kinds else ():
             for mode in modes:

