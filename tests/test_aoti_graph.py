@@ -93,6 +93,19 @@ def test_a_package_is_built_once_counted_and_loaded_whole_by_the_next_start(tmp_
         assert again.total == 0
 
 
+def test_loading_a_package_asks_for_amx_first(tmp_path, monkeypatch) -> None:
+    """A max-autotune package may run AMX tiles, which Linux allows only after the process
+    asks: the service asks before loading (without it, a bfloat16 package's first call died
+    of SIGILL in a service with no other AMX user)."""
+    module = Scale().eval()
+    with torch.no_grad():
+        graph(module, KeptDir(tmp_path), CompileMonitor(), lo=1)(torch.randn(2, 8))
+    asked: list[str] = []
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append("amx") or False)
+    assert graph(module, KeptDir(tmp_path), CompileMonitor(), lo=1).source == "loaded"
+    assert asked == ["amx"]
+
+
 def test_a_loaded_package_leaves_no_unpacked_copy_behind(tmp_path, monkeypatch) -> None:
     """torch unpacks a package into $TMPDIR and cleans up only in the loader's destructor,
     which a killed or exiting process never runs: the service removes the copy at once."""

@@ -231,6 +231,11 @@ def _load(path: Path) -> Package:
     leaked a copy (11 GB in /tmp after a day of restarts here). So it unpacks into a
     directory of ours, removed as soon as the package has loaded: the library is mapped
     and the weights read, so the files are not needed again."""
+    # A package built with max-autotune may run AMX tiles (inductor's C++ micro-GEMMs), which
+    # Linux allows a process only after it asks (arch_prctl XTILEDATA): without this, its
+    # first call dies of SIGILL when nothing else here used AMX yet. inductor asks in its
+    # ISA check, which Package skips; returns False where the CPU has no AMX.
+    torch.cpu._init_amx()
     scratch = Path(tempfile.mkdtemp(prefix="inference-svc-aoti-load-"))
     try:
         with _EXTRACT, _tmpdir(scratch):
