@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's own HTTP server (llama-server), the Generate peer of bench/throughput.py
 # and bench/compiled.py (bench/peer_server.py), from the llama.cpp that the llama-cpp-python
-# sdist vendors: the same llama.cpp as the '.[peer]' extra, without its Python binding.
+# sdist vendors (the pinned version below), without its Python binding.
 #
 #   bench/build_llama_server.sh          # prints the binary's path on its last line
 #
