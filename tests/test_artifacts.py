@@ -297,7 +297,7 @@ def test_the_key_names_the_users_kernel_header_directory(tmp_path: Path) -> None
     # service's user missed every C++ kernel (their compile command names a per-user header
     # directory) and recompiling one beside the loaded graphs failed. The key tells them apart.
     def headers(user: str) -> str:
-        code = "from inference_svc.engine.artifacts import header_dir; print(header_dir())"
+        code = "from inference_svc.engine.artifact_key import header_dir; print(header_dir())"
         env = {**os.environ, "USER": user, "LOGNAME": user, "TMPDIR": str(tmp_path)}
         out = subprocess.run(
             [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
