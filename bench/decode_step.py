@@ -20,9 +20,6 @@ columns); writes results/decode_step.json. A benchmark, not a test: it asserts n
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,19 +29,16 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_quick_flags, results_dir  # noqa: E402
-from inference_api.plan import Bucket, CompilationMode, Phase  # noqa: E402
-from inference_svc.compile_monitor import CompileMonitor, Origin  # noqa: E402
+from bench.common import add_quick_flags  # noqa: E402
+from bench.in_process import Arm, arm_context, finish, interleaved, print_cpu  # noqa: E402
+from inference_api.plan import Bucket, Phase  # noqa: E402
+from inference_svc.compile_monitor import Origin  # noqa: E402
 from inference_svc.engine.buckets import GenBuckets  # noqa: E402
 from inference_svc.limits import GenLimits  # noqa: E402
 from inference_svc.models import cpu  # noqa: E402
 from inference_svc.models.aoti import ScratchPackages  # noqa: E402
-from inference_svc.models.compile import ModelContext  # noqa: E402
 from inference_svc.models.generative import GenerativeModel, load_generative  # noqa: E402
 from inference_svc.models.loading import resolve_lm_dir  # noqa: E402
-
-SHOWN_FLAGS = ("amx_bf16", "avx512_bf16", "avx512f", "avx2")
-Arm = tuple[str, str]  # (weights, backend)
 
 
 def bandwidth_gib_s(mib: int = 512) -> float:
@@ -61,33 +55,15 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def load(
     a: argparse.Namespace, weights: str, backend: str, max_batch: int, stores: list
 ) -> GenerativeModel:
     """One arm: eager (mode none), or the same model run from an AOTInductor package."""
-    aoti = backend == "aoti"
-    mode = CompilationMode(a.mode) if aoti else CompilationMode.NONE
+    ctx, mode = arm_context(a, "lm", torch.float32, backend, stores)
     limits = GenLimits(max_batch, 512, 512, 64)
-    store = ScratchPackages() if aoti else None
-    if store is not None:
-        stores.append(store)
-    ctx = ModelContext(
-        "lm", mode, CompileMonitor(), torch.device("cpu"), torch.float32,
-        aoti and a.freeze_weights == "on", "aoti" if aoti else "torch-compile", store,
-    )  # fmt: skip
     cache = Path("~/.cache/inference-svc/models").expanduser()
     m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights)
-    m.set_ranges(GenBuckets.plan(limits, mode, aoti=aoti).ranges())
+    m.set_ranges(GenBuckets.plan(limits, mode, aoti=backend == "aoti").ranges())
     m.allocate_cache(max_batch)
     return m
 
@@ -127,13 +103,8 @@ def measure(
         for b in batches:
             for _ in range(3):  # warm: first calls allocate, pack and dispatch
                 m.decode(*calls_of[b], Origin.WARMUP)
-    times: dict[tuple[Arm, int], list[float]] = {(arm, b): [] for arm in models for b in batches}
-    for _ in range(calls):
-        for b in batches:
-            for arm, m in models.items():
-                args = calls_of[b]
-                times[(arm, b)].append(_timed(lambda m=m, c=args: m.decode(*c, Origin.WARMUP)))
-    return {key: statistics.median(t) * 1e3 for key, t in times.items()}, first
+    ms = interleaved(models, batches, calls, lambda m, b: m.decode(*calls_of[b], Origin.WARMUP))
+    return ms, first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     weights, backends = a.weights.split(","), a.backends.split(",")
     batches = [int(b) for b in a.batches.split(",")]
     bandwidth = bandwidth_gib_s(64 if a.quick else 512)
-    caps = cpu.capabilities()
-    flags = [f for f in SHOWN_FLAGS if f in caps.flags]
-    print(f"CPU {cpu_name()}; torch {torch.__version__} capability {caps.isa}; flags "
-          f"{' '.join(flags) or 'none of ' + ' '.join(SHOWN_FLAGS)}; "
-          f"{torch.get_num_threads()} threads; memory read bandwidth {bandwidth:.1f} GiB/s",
-          flush=True)  # fmt: skip
+    print_cpu(f"; memory read bandwidth {bandwidth:.1f} GiB/s")
     stores: list[ScratchPackages] = []
     top = max(max(batches), 2)
     # Loaded outside inference mode: torch.export cannot trace inference tensors.
@@ -181,18 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"weights": arm[0], "backend": arm[1], "batch": b, "ms": ms[(arm, b)],
                   "floor_ms": floors[arm], "first_call_s": first[arm]}
                  for b in batches]  # fmt: skip
-    builds = {f"{w} {be}": round(s, 1) for (w, be), s in first.items() if be == "aoti"}
-    if builds:
-        print(f"package build (export + compile) seconds: {builds}")
     choice = cpu.choose_lm_weights("auto", torch.device("cpu"))
-    print(f"--lm-weights auto here: {choice.scheme} ({choice.reason})")
-    out = results_dir(a) / "decode_step.json"
-    out.write_text(json.dumps({
-        "cpu": cpu_name(), "capability": caps.isa, "flags": flags, "auto": choice.scheme,
-        "threads": torch.get_num_threads(), "bandwidth_gib_s": bandwidth, "rows": rows,
-        **vars(a) | {"results": None},
-    }, indent=1, default=str))  # fmt: skip
-    print(f"wrote {out}")
+    finish(a, "decode_step", "--lm-weights", choice, first, rows, bandwidth_gib_s=bandwidth)
     return 0
 
 

@@ -18,8 +18,6 @@ results/embed_step.json. A benchmark, not a test: it asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,32 +27,21 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import add_quick_flags, results_dir  # noqa: E402
-from bench.decode_step import cpu_name  # noqa: E402
-from inference_api.plan import CompilationMode  # noqa: E402
-from inference_svc.compile_monitor import CompileMonitor, Origin  # noqa: E402
+from bench.common import add_quick_flags  # noqa: E402
+from bench.in_process import Arm, arm_context, finish, interleaved, print_cpu  # noqa: E402
+from inference_svc.compile_monitor import Origin  # noqa: E402
 from inference_svc.engine.buckets import EmbedBuckets  # noqa: E402
 from inference_svc.models import cpu  # noqa: E402
 from inference_svc.models.aoti import ScratchPackages  # noqa: E402
-from inference_svc.models.compile import ModelContext  # noqa: E402
 from inference_svc.models.embedding import EmbeddingModel, load_embedding  # noqa: E402
 from inference_svc.models.loading import resolve_embed_dir  # noqa: E402
 
-Arm = tuple[str, str]  # (dtype, backend)
-
 
 def load(a: argparse.Namespace, dtype: str, backend: str, stores: list) -> EmbeddingModel:
-    aoti = backend == "aoti"
-    mode = CompilationMode(a.mode) if aoti else CompilationMode.NONE
-    store = ScratchPackages() if aoti else None
-    if store is not None:
-        stores.append(store)
-    ctx = ModelContext(
-        "embedding", mode, CompileMonitor(), torch.device("cpu"), getattr(torch, dtype),
-        aoti and a.freeze_weights == "on", "aoti" if aoti else "torch-compile", store,
-    )  # fmt: skip
+    """One arm: eager (mode none), or the same model run from an AOTInductor package."""
+    ctx, mode = arm_context(a, "embedding", getattr(torch, dtype), backend, stores)
     m = load_embedding(ctx, resolve_embed_dir(a.embed_model or "default"))
-    ranges = EmbedBuckets.plan(32, m.max_input_tokens, mode, aoti=aoti).ranges()
+    ranges = EmbedBuckets.plan(32, m.max_input_tokens, mode, aoti=backend == "aoti").ranges()
     for graph in m.graphs:
         graph.ranges = ranges
     return m
@@ -73,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.dtypes, a.backends, a.shapes, a.calls = "float32", "eager", "1x16,2x16", 3
     shapes = [tuple(int(n) for n in s.split("x")) for s in a.shapes.split(",")]
-    caps = cpu.capabilities()
-    print(f"CPU {cpu_name()}; torch {torch.__version__} capability {caps.isa}; "
-          f"{torch.get_num_threads()} threads", flush=True)  # fmt: skip
+    print_cpu()
     stores: list[ScratchPackages] = []
     dtypes, backends = a.dtypes.split(","), a.backends.split(",")
     # Loaded outside inference mode: torch.export cannot trace inference tensors.
@@ -83,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     vocab = min(m.vocab_size for m in models.values())
     inputs = {s: torch.randint(1000, vocab, s, generator=gen) for s in shapes}
-    times: dict[tuple[Arm, tuple[int, int]], list[float]] = {}
     first: dict[Arm, float] = {}
     vectors: dict[Arm, torch.Tensor] = {}
     for arm, m in models.items():
@@ -92,16 +76,12 @@ def main(argv: list[str] | None = None) -> int:
             vectors[arm] = m.forward(ids, torch.ones_like(ids), Origin.WARMUP)
             m.forward(ids, torch.ones_like(ids), Origin.WARMUP)
         first[arm] = time.perf_counter() - start
-    for _ in range(a.calls):
-        for s, ids in inputs.items():
-            mask = torch.ones_like(ids)
-            for arm, m in models.items():
-                start = time.perf_counter()
-                m.forward(ids, mask, Origin.WARMUP)
-                times.setdefault((arm, s), []).append(time.perf_counter() - start)
+    masks = {s: torch.ones_like(ids) for s, ids in inputs.items()}
+    ms = interleaved(
+        models, shapes, a.calls, lambda m, s: m.forward(inputs[s], masks[s], Origin.WARMUP)
+    )
     for store in stores:
         store.close()
-    ms = {key: statistics.median(t) * 1e3 for key, t in times.items()}
     base = next(iter(models))
     print(f"\nEmbed forward in process, median of {a.calls} calls (ms); x: speed-up over "
           f"{base[0]} {base[1]}; packages: mode {a.mode}, freeze {a.freeze_weights}")  # fmt: skip
@@ -116,17 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"dtype": arm[0], "backend": arm[1], "batch": s[0], "tokens": s[1],
                   "ms": ms[(arm, s)], "cosine_min": cos, "first_calls_s": first[arm]}
                  for s in shapes]  # fmt: skip
-    builds = {f"{d} {be}": round(s, 1) for (d, be), s in first.items() if be == "aoti"}
-    if builds:
-        print(f"first calls (package build included) seconds: {builds}")
     choice = cpu.choose_embed_dtype("auto", torch.device("cpu"))
-    print(f"--embed-dtype auto here: {choice.scheme} ({choice.reason})")
-    out = results_dir(a) / "embed_step.json"
-    out.write_text(json.dumps({
-        "cpu": cpu_name(), "capability": caps.isa, "auto": choice.scheme,
-        "threads": torch.get_num_threads(), "rows": rows, **vars(a) | {"results": None},
-    }, indent=1, default=str))  # fmt: skip
-    print(f"wrote {out}")
+    finish(a, "embed_step", "--embed-dtype", choice, first, rows)
     return 0
 
 
