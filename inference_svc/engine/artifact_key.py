@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from inference_svc.models.cpu import capabilities
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 # The code the compiled graphs come from (relative to the inference_svc package).
@@ -36,7 +38,7 @@ FIELD_NAMES = {
     "cpu": "CPU capabilities",
     "threads": "thread count",
     "mode": "compilation mode and backend",
-    "numerics": "numerics (--dtype, --lm-weights)",
+    "numerics": "numerics (--dtype, --lm-weights, --embed-dtype)",
     "shapes": "shape limits",
     "code": "code of the compiled functions",
     "headers": "inductor's precompiled-header directory (per user: $TMPDIR/torchinductor_<user>)",
@@ -74,17 +76,11 @@ def code_digest() -> str:
 
 def cpu_digest() -> str:
     """The instruction sets the compiled kernels may use: torch's capability level and the
-    CPU's feature flags (inductor picks vector ISAs from them)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = " ".join(sorted(line.split(":", 1)[1].split()))
-                break
-    except OSError:
-        flags = platform.processor()
-    capability = torch.backends.cpu.get_cpu_capability()
-    return f"{capability}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+    CPU's feature flags (inductor picks vector ISAs from them), as models/cpu.py reads them
+    (without /proc/cpuinfo: the processor's name)."""
+    caps = capabilities()
+    flags = " ".join(sorted(caps.flags)) or platform.processor()
+    return f"{caps.isa}-{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
 
 
 def header_dir() -> str:

@@ -246,12 +246,13 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
             "frozen graph); this start compiles every graph"
         )
         return None
-    from inference_svc.models.cpu import concrete_embed_dtype, concrete_lm_weights  # not "auto"
+    from inference_svc.models.cpu import choices  # the key names what runs, never "auto"
 
     shapes = {name: getattr(config, name) for name in SHAPE_SETTINGS}
+    auto = choices(config)
     numerics = (
-        f"device={config.device} dtype={config.dtype} lm_weights={concrete_lm_weights(config)} "
-        f"embed_dtype={concrete_embed_dtype(config)} logprobs={config.logprobs_mode.value}"
+        f"device={config.device} dtype={config.dtype} lm_weights={auto.lm.scheme} "
+        f"embed_dtype={auto.embed.scheme} logprobs={config.logprobs_mode.value}"
     )
     mode = f"{config.compilation_mode.value} backend={config.compile_backend}"
     if aoti:

@@ -148,16 +148,6 @@ def _choose(
     return WeightsChoice("same", tag, reason.format(isa=caps.isa))
 
 
-def concrete_lm_weights(config: ServiceConfig) -> str:
-    """The scheme ``config`` runs the LM's linear layers in ("auto" resolved)."""
-    return choose_lm_weights(config.lm_weights, pick_device(config.device)).scheme
-
-
-def concrete_embed_dtype(config: ServiceConfig) -> str:
-    """The dtype setting ``config`` runs the Embed model in ("auto" resolved)."""
-    return choose_embed_dtype(config.embed_dtype, pick_device(config.device)).scheme
-
-
 @dataclass(frozen=True)
 class Choices:
     """What each "auto" became: the LM's linear weights and the Embed model's dtype."""
@@ -166,15 +156,21 @@ class Choices:
     embed: WeightsChoice
 
 
+def choices(config: ServiceConfig) -> Choices:
+    """What ``config``'s settings run as on this machine ("auto" resolved)."""
+    device = pick_device(config.device)
+    lm = choose_lm_weights(config.lm_weights, device)
+    return Choices(lm, choose_embed_dtype(config.embed_dtype, device))
+
+
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
     """``config`` with a concrete ``lm_weights`` and ``embed_dtype``, and the choices; logs
     each auto's reason."""
-    device = pick_device(config.device)
-    lm = choose_lm_weights(config.lm_weights, device)
-    embed = choose_embed_dtype(config.embed_dtype, device)
+    auto = choices(config)
+    lm, embed = auto.lm, auto.embed
     if lm.auto:
         log.info("--lm-weights auto: %s (%s)", lm.scheme, lm.reason)
     if embed.auto:
         log.info("--embed-dtype auto: %s (%s)", embed.scheme, embed.reason)
     config = dataclasses.replace(config, lm_weights=lm.scheme, embed_dtype=embed.scheme)
-    return config, Choices(lm, embed)
+    return config, auto
