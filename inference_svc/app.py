@@ -40,13 +40,23 @@ from inference_svc.wire import PUBLIC_SERVICES, add_servicer, warm_messages
 log = logging.getLogger(__name__)
 
 
+def public_options(config: ServiceConfig) -> list[tuple[str, int]]:
+    """The public server's channel arguments: the request size limit, the connection age."""
+    options = [("grpc.max_receive_message_length", config.max_request_bytes)]
+    if config.max_connection_age > 0:  # 0: off (grpc's default, connections live forever)
+        options += [
+            ("grpc.max_connection_age_ms", round(config.max_connection_age * 1000)),
+            ("grpc.max_connection_age_grace_ms", round(config.max_connection_age_grace * 1000)),
+        ]
+    return options
+
+
 class Service:
     def __init__(self, config: ServiceConfig, kinds: tuple[ModelKindEntry, ...] = KINDS) -> None:
         self.config = config
         self.engine = Engine(config, kinds)
         self.health = health.aio.HealthServicer()
-        limit = ("grpc.max_receive_message_length", config.max_request_bytes)
-        self.public = grpc.aio.server(options=[limit])
+        self.public = grpc.aio.server(options=public_options(config))
         guard = [AdminTokenInterceptor(config.admin_token)] if config.admin_token else []
         self.admin = grpc.aio.server(interceptors=guard)
         self.serving = False  # what health says for the gated names (read by metrics)

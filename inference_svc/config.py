@@ -154,6 +154,20 @@ class ServiceConfig:
     )
     admin_token: str = setting("", "the token every admin call must carry", secret=True)
     grace_period: float = setting(10.0, "seconds in-flight calls get on SIGTERM")
+    # A client's HTTP/2 connection carries all its calls to one replica; past this age the
+    # server sends GOAWAY and the client reconnects (and re-resolves DNS), so replicas added
+    # since get their share. grpc core adds +-10% jitter itself: replicas started together do
+    # not send GOAWAY together. docs/scale-out.md says how the defaults were chosen.
+    max_connection_age: float = setting(
+        300.0,
+        "seconds a client connection lives before the server sends GOAWAY; the client "
+        "reconnects (and re-resolves) for its next calls; grpc adds +-10% jitter; 0 = off",
+    )
+    max_connection_age_grace: float = setting(
+        600.0,
+        "seconds the calls still open on a connection past its age get before it is closed "
+        "(covers the longest Generate; only with --max-connection-age)",
+    )
     log_level: str = setting("info", "debug, info, warning or error")
 
 
@@ -300,6 +314,8 @@ def _check(p: argparse.ArgumentParser, c: ServiceConfig) -> None:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
     if bool(c.tls_cert_file) != bool(c.tls_key_file):
         p.error("--tls-cert-file and --tls-key-file go together")
+    if c.max_connection_age < 0 or c.max_connection_age_grace < 0:
+        p.error("--max-connection-age and --max-connection-age-grace must be 0 or more")
     if c.tls_client_ca_file and not c.tls_cert_file:
         p.error("--tls-client-ca-file needs --tls-cert-file and --tls-key-file")
 
