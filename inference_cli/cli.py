@@ -1,6 +1,6 @@
 """inference-cli: a health probe and a small client for the service.
 
-    inference-cli health [--addr HOST:PORT] [--service NAME] [--wait] [--timeout S]
+    inference-cli health [--addr TARGET] [--service NAME] [--wait] [--timeout S]
     inference-cli embed "some text" "more text" [--dimensions N] [--json]
     inference-cli generate "Once upon a time" [--stream] [--seed N] [--temperature T] [--json]
     inference-cli info [--json]
@@ -16,7 +16,10 @@ a compose healthcheck or a script's gate:
 
 ``embed``, ``generate`` and ``info`` exit 0 on success, 1 on bad arguments and 3
 when the call fails, printing ``error: <STATUS_CODE>: <message>`` to stderr.
-The address defaults to $INFERENCE_ADDR, else 127.0.0.1:50051.
+The address defaults to $INFERENCE_ADDR, else 127.0.0.1:50051. Any gRPC target works:
+``dns:///inference-svc-headless:50051`` (every address the name resolves to) or
+``ipv4:10.0.0.1:50051,10.0.0.2:50051``; calls are spread over them (round_robin) and Embed,
+Info and health are retried on UNAVAILABLE, Generate never (inference_api/channel.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from inference_api.channel import channel_options
 from inference_api.names import DEFAULT_PORT, HEALTH_INFERENCE
 from inference_api.stubs.inference.v1 import inference_pb2, inference_pb2_grpc
 
@@ -44,7 +48,7 @@ EXIT_CONNECT = 2
 EXIT_RPC = 3
 EXIT_UNHEALTHY = 4
 
-ADDR_ENV = "INFERENCE_ADDR"  # the service's address, HOST:PORT
+ADDR_ENV = "INFERENCE_ADDR"  # the service's address: HOST:PORT or any gRPC target
 DEFAULT_ADDR = f"127.0.0.1:{DEFAULT_PORT}"
 HEALTH_TIMEOUT_S = 2.0  # one health check: connect + call (the probe's default is 1 s)
 WAIT_TIMEOUT_S = 900.0  # `health --wait`: long enough for a cold compile on 2 cores
@@ -84,13 +88,14 @@ def _to_dict(msg: Message) -> dict[str, Any]:
 
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """A channel to --addr: plaintext, or TLS when --tls-ca is given (with a client
-    certificate when --tls-cert and --tls-key are)."""
+    certificate when --tls-cert and --tls-key are); round_robin over the addresses the
+    target names, idempotent calls retried (inference_api/channel.py)."""
     if not args.tls_ca:
-        return grpc.insecure_channel(args.addr)
+        return grpc.insecure_channel(args.addr, options=channel_options())
     cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
     key = Path(args.tls_key).read_bytes() if args.tls_key else None
     creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
-    return grpc.secure_channel(args.addr, creds)
+    return grpc.secure_channel(args.addr, creds, options=channel_options())
 
 
 def _check_once(args: argparse.Namespace, timeout: float) -> tuple[int, str]:
@@ -272,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--addr",
         default=os.environ.get(ADDR_ENV) or DEFAULT_ADDR,
-        help=f"HOST:PORT of the service (default ${ADDR_ENV} or {DEFAULT_ADDR})",
+        help=f"HOST:PORT of the service, or a gRPC target (dns:///HOST:PORT, "
+        f"ipv4:A:P,B:P) whose addresses calls are spread over (default ${ADDR_ENV} or "
+        f"{DEFAULT_ADDR})",
     )
     common.add_argument(
         "--tls-ca",
