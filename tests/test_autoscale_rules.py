@@ -60,7 +60,7 @@ def run_promtool(promtool: str, *args: str, cwd: Path) -> subprocess.CompletedPr
 def test_rules_pass_promtool_check(promtool: str) -> None:
     result = run_promtool(promtool, "check", "rules", RULES.name, cwd=AUTOSCALE)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 9 rules found" in result.stdout
+    assert f"SUCCESS: {len(rule_exprs())} rules found" in result.stdout
 
 
 def test_rule_unit_tests_pass(promtool: str) -> None:
