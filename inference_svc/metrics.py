@@ -3,9 +3,10 @@
 Two sources. Per call, the servicers count and time RPCs, tokens, time to first token and
 the gaps between tokens. At scrape time, a collector reads the engine: health, model load
 times, each warmup step's time and compile events, compile events before and after
-SERVING (late compiles: the counter an alert watches), queue depth, batch sizes and rows
-in use per model, and the boot id. Each service has its own registry (several services
-can live in one process, as in the tests).
+SERVING (late compiles: the counter an alert watches), queue depth, batch sizes, rows in use
+and the KV cache's use per model (what a gateway's endpoint picker reads: docs/scale-out.md),
+and the boot id. Each service has its own registry (several services can live in one
+process, as in the tests).
 
 The sidecar exports nothing of its own: every step it drives, and every re-warm after a
 restart, shows here as warmup-step metrics and a new boot id; its retries are in its log.
@@ -23,6 +24,7 @@ from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from inference_svc.engine.core import Engine
+    from inference_svc.engine.runtime import ModelRuntime
 
 log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -111,6 +113,12 @@ class EngineCollector(Collector):
         kv = GaugeMetricFamily(
             "inference_kv_cache_tokens", "Tokens the KV cache holds (0: none yet)", labels=["model"]
         )
+        usage = GaugeMetricFamily(
+            "inference_kv_cache_usage_ratio",
+            "Share of the KV cache held by running sequences, 0 to 1: each holds a row of "
+            "max input + max new tokens (1: a new Generate waits for a row)",
+            labels=["model"],
+        )
         for name, runtime in self.engine.runtimes.items():
             worker = runtime.inbox
             depth.add_metric([name], worker.depth())
@@ -119,7 +127,16 @@ class EngineCollector(Collector):
                 batches.add_metric([name, str(n)], count)
             if runtime.kv_cache_tokens or runtime.profile().has_kv_cache:
                 kv.add_metric([name], runtime.kv_cache_tokens)
-        yield from (depth, rows, batches, kv)
+                usage.add_metric([name], kv_cache_usage(runtime, worker.rows_in_use))
+        yield from (depth, rows, batches, kv, usage)
+
+
+def kv_cache_usage(runtime: ModelRuntime, rows_in_use: int) -> float:
+    """Rows in use times a row's slots over the cache's slots (0 before it is sized)."""
+    total = runtime.kv_cache_tokens
+    if not total:
+        return 0.0
+    return min(1.0, rows_in_use * runtime.limits.max_seq_len / total)
 
 
 class Metrics:
