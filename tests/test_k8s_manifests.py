@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from inference_api import names
+from inference_svc.config import build_parser
 from tests.cmdline import flag
 
 pytestmark = pytest.mark.deploy
@@ -39,6 +40,10 @@ def one(kind: str) -> dict[str, Any]:
     found = [d for d in load_all() if d["kind"] == kind]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
+
+
+def services() -> list[dict[str, Any]]:
+    return [d for d in load_all() if d["kind"] == "Service"]
 
 
 def pod_spec() -> dict[str, Any]:
@@ -114,8 +119,8 @@ def test_admin_port_is_not_exposed() -> None:
         {"name": "grpc", "containerPort": names.DEFAULT_PORT, "protocol": "TCP"},
         {"name": "metrics", "containerPort": names.DEFAULT_METRICS_PORT, "protocol": "TCP"},
     ]
-    service_ports = one("Service")["spec"]["ports"]
-    assert [p["port"] for p in service_ports] == [names.DEFAULT_PORT]
+    for service in services():
+        assert [p["port"] for p in service["spec"]["ports"]] == [names.DEFAULT_PORT]
 
 
 def test_every_container_has_resource_requests() -> None:
@@ -155,13 +160,14 @@ def test_pod_runs_as_the_image_user_and_non_root() -> None:
 def test_service_and_pdb_select_the_pods() -> None:
     labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
     for selector in (
-        one("Service")["spec"]["selector"],
+        *(service["spec"]["selector"] for service in services()),
         one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
         one("Deployment")["spec"]["selector"]["matchLabels"],
     ):
         assert selector.items() <= labels.items()
-    target = one("Service")["spec"]["ports"][0]["targetPort"]
-    assert target in {p["name"] for p in container("inference")["ports"]}
+    for service in services():
+        target = service["spec"]["ports"][0]["targetPort"]
+        assert target in {p["name"] for p in container("inference")["ports"]}
 
 
 def test_metrics_port_is_served_and_announced_for_scraping() -> None:
@@ -186,3 +192,77 @@ def test_service_and_sidecar_read_the_admin_token_from_the_secret() -> None:
     secret = one("Secret")
     assert volumes["admin-token"]["secret"]["secretName"] == secret["metadata"]["name"]
     assert "admin-token" in secret["stringData"]
+
+
+# --- scale-out: client-side balancing, rollouts, stops (docs/scale-out.md) -------------
+# The slowest cold start to SERVING measured on 2 cores, mode default, empty compile cache
+# (deploy/README.md: docker-compose up to healthy, 4 min 41 s - 7 min 17 s).
+SLOWEST_COLD_START_S = 7 * 60 + 17
+# The longest Generate: --max-new-tokens (512) at the slowest measured decode step, the p99
+# inter-token latency with streams joining (2.38 x 68 ms, bench/README.md), and its first token.
+LONGEST_GENERATE_S = 512 * 2.38 * 0.068 + 2
+
+
+def seconds_flag(name: str) -> float:
+    return float(flag(container("inference")["command"], name))
+
+
+def prestop_sleep_s() -> float:
+    command = container("inference")["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[0] == "sleep" and len(command) == 2, command
+    return float(command[1])
+
+
+def test_a_headless_service_answers_with_every_ready_pod() -> None:
+    """Clients that balance per call (round_robin over dns:///) resolve this one."""
+    by_name = {s["metadata"]["name"]: s["spec"] for s in services()}
+    assert by_name["inference-svc"].get("clusterIP") != "None"
+    headless = by_name["inference-svc-headless"]
+    assert headless["clusterIP"] == "None"
+    assert not headless.get("publishNotReadyAddresses", False)  # warming pods stay out
+    assert headless["selector"] == by_name["inference-svc"]["selector"]
+    assert headless["ports"] == by_name["inference-svc"]["ports"]
+
+
+def test_a_stopping_pod_leaves_the_endpoints_then_drains_within_its_grace() -> None:
+    """preStop keeps serving while the endpoints catch up; SIGTERM then drains calls for
+    --grace-period; the kubelet's deadline covers both, and the drain the longest Generate."""
+    prestop, drain = prestop_sleep_s(), seconds_flag("--grace-period")
+    assert 5 <= prestop <= 30
+    assert drain >= LONGEST_GENERATE_S
+    grace = pod_spec()["terminationGracePeriodSeconds"]
+    assert grace >= prestop + drain + 10, (grace, prestop, drain)
+
+
+def test_the_service_command_is_made_of_its_own_flags() -> None:
+    """A misspelt flag (--max-conection-age) would stop the container at start."""
+    parsed = build_parser({}).parse_args(container("inference")["command"][1:])
+    assert parsed.max_connection_age == seconds_flag("--max-connection-age")
+    assert parsed.grace_period == seconds_flag("--grace-period")
+
+
+def test_connections_age_out_and_open_streams_outlive_the_age() -> None:
+    age, age_grace = (
+        seconds_flag("--max-connection-age"),
+        seconds_flag("--max-connection-age-grace"),
+    )
+    assert 30 <= age <= 900  # clients move at least every 15 min, not at every call
+    assert age_grace >= seconds_flag("--grace-period") >= LONGEST_GENERATE_S
+
+
+def test_a_rollout_waits_for_each_new_pod_to_warm() -> None:
+    spec = one("Deployment")["spec"]
+    startup = container("inference")["startupProbe"]
+    window = (
+        startup.get("initialDelaySeconds", 0)
+        + startup["periodSeconds"] * startup["failureThreshold"]
+    )
+    assert window >= 4 * SLOWEST_COLD_START_S, window
+    assert spec["progressDeadlineSeconds"] > window + 5 * 60  # + scheduling and image pull
+    rolling = spec["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0  # the old pod serves until the new one is Ready
+    surge = rolling["maxSurge"]
+    replicas = spec["replicas"]
+    if isinstance(surge, str):  # a percentage, rounded up
+        surge = -(-replicas * int(surge.rstrip("%")) // 100)
+    assert replicas >= 2 and 1 <= surge <= replicas
