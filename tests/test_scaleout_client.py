@@ -8,7 +8,7 @@ share goes to the others; inference-cli takes the same targets."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
@@ -93,7 +93,7 @@ async def test_round_robin_spreads_calls_over_every_replica(tiny_embed_dir, tiny
         assert sum(generates) == 9 and min(generates) >= 1, generates
 
 
-async def failures(calls: Sequence[asyncio.Future]) -> list[grpc.StatusCode]:
+async def failures(calls: Sequence[Awaitable[object]]) -> list[grpc.StatusCode]:
     """The status codes of the calls that failed, each call awaited in turn."""
     codes = []
     for call in calls:
@@ -113,8 +113,8 @@ async def test_embed_is_retried_past_a_cold_replica_and_generate_never_is(
 ):
     """Replica 2 is loaded but not warm: it answers UNAVAILABLE. Every Embed still succeeds
     (the retry goes to the next replica); each Generate and GenerateStream sent to it fails
-    once, and its own counters show each was sent once. Then replica 0 stops: the calls go
-    to replica 1 (and, answered UNAVAILABLE there, from replica 2 to replica 1)."""
+    once, and its own counters show each was sent once. Then replica 0 stops: replica 1
+    answers every Embed (those first sent to replica 2 after one retry)."""
     async with (
         replicas(tiny_embed_dir, tiny_lm_dir, [True, True, False]) as reps,
         grpc.aio.insecure_channel(target(reps), options=channel_options()) as channel,
