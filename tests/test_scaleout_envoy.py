@@ -11,11 +11,9 @@ manifests validate against the schemas."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import signal
 import subprocess
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -28,23 +26,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from harness.load import Load
 from harness.procs import ROOT
-from harness.replicas import ENVOY_YAML, UPSTREAM_HEADER, Envoy, Replica, validate
-from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from inference_api.stubs.inference.v1 import inference_pb2_grpc
+from harness.replicas import ENVOY_YAML, Envoy, Replica, validate
 from tests.conftest import tiny_args
 
 pytestmark = [pytest.mark.proc, pytest.mark.e2e]
 
 K8S_ENVOY = ROOT / "deploy" / "k8s-envoy"
-CLIENTS = 32
-KINDS = ("Embed", "Embed", "Generate", "GenerateStream")  # client i runs KINDS[i % 4]
-EMBED = pb.EmbedRequest(inputs=["spread me over the replicas"])
-# No stop string the tiny model writes: every stream is exactly max_tokens long.
-STREAM = pb.GenerateRequest(
-    prompt="hello", sampling=pb.SamplingParams(max_tokens=12, stop=["\u2603"])
-)
-GENERATE = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4))
 # Three replicas share two cores here: with torch's default of a thread per core each, their
 # threads oversubscribe the cores and one replica or another stalls for a while (measured:
 # shares of 0.64-1.6 of the mean in 4 s windows, 4-5x fewer calls). One thread each, as a
@@ -54,75 +43,6 @@ SLOW_START_S = 1.5  # the test config's window (60 s in the committed one)
 SHARE = (0.75, 1.33)  # each replica's calls / the mean
 # How a stream cut by its replica's death may end: a status, not a hang.
 CUT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED}
-
-
-@dataclass
-class Call:
-    rpc: str
-    start: float
-    end: float | None = None
-    code: grpc.StatusCode | None = None
-    began: bool = False  # a stream: its first chunk came
-    upstream: str = ""  # the replica that answered (the loopback config's reply header)
-    details: str = ""  # a failed call's message
-
-
-class Load(threading.Thread):
-    """CLIENTS closed-loop clients on one channel to Envoy, in a thread of their own."""
-
-    def __init__(self, target: str) -> None:
-        super().__init__(daemon=True)
-        self.target = target
-        self.calls: list[Call] = []
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        async with grpc.aio.insecure_channel(self.target) as channel:
-            stub = inference_pb2_grpc.InferenceStub(channel)
-            await asyncio.gather(*(self._client(stub, KINDS[i % 4]) for i in range(CLIENTS)))
-
-    async def _client(self, stub: inference_pb2_grpc.InferenceStub, rpc: str) -> None:
-        while not self.stopped.is_set():
-            call = Call(rpc, time.monotonic())
-            self.calls.append(call)
-            try:
-                if rpc == "GenerateStream":
-                    stream = stub.GenerateStream(STREAM, timeout=30)
-                    async for _ in stream:
-                        if not call.began:
-                            call.upstream = upstream(await stream.initial_metadata())
-                            call.began = True
-                else:
-                    method, request = (
-                        (stub.Embed, EMBED) if rpc == "Embed" else (stub.Generate, GENERATE)
-                    )
-                    unary = method(request, timeout=30)
-                    await unary
-                    call.upstream = upstream(await unary.initial_metadata())
-                call.code = grpc.StatusCode.OK
-            except grpc.aio.AioRpcError as err:
-                call.code, call.details = err.code(), err.details() or ""
-            call.end = time.monotonic()
-
-    def since(self, t0: float, rpc: str | None = None) -> list[Call]:
-        """Calls started at or after ``t0`` (of one rpc), ended or not."""
-        return [c for c in list(self.calls) if c.start >= t0 and rpc in (None, c.rpc)]
-
-    def failed(self, t0: float, rpc: str) -> list[Call]:
-        return [
-            c for c in self.since(t0, rpc) if c.end is not None and c.code != grpc.StatusCode.OK
-        ]
-
-    def stop(self) -> None:
-        self.stopped.set()
-        self.join(timeout=60)
-
-
-def upstream(metadata: Sequence[tuple[str, str]] | None) -> str:
-    return dict(metadata or ()).get(UPSTREAM_HEADER, "")
 
 
 @dataclass
@@ -269,6 +189,29 @@ def test_the_k8s_envoy_manifests_validate_offline(version: str) -> None:
         assert docs["ConfigMap"]["metadata"]["name"] in [
             v.get("configMap", {}).get("name") for v in volumes
         ]
+
+
+def test_the_compose_profile_runs_each_replica_with_its_sidecar_behind_envoy() -> None:
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    for name in ("inference", "server", "warmup-ctl", "client"):  # plain `up`: as before
+        assert "profiles" not in services[name]
+    cluster = yaml.safe_load(ENVOY_YAML.read_text())["static_resources"]["clusters"][0]
+    hosts = [
+        e["endpoint"]["address"]["socket_address"]["address"]
+        for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ]
+    assert hosts == ["scale-1", "scale-2", "scale-3"]
+    for ns in hosts:  # the server and its sidecar share the namespace of the name Envoy calls
+        pair = [services[f"{ns}-server"], services[f"{ns}-warmup-ctl"]]
+        assert [s["network_mode"] for s in pair] == [f"service:{ns}"] * 2
+        assert all(s["profiles"] == ["scale"] for s in [*pair, services[ns]])
+    envoy = services["envoy"]
+    assert envoy["volumes"] == ["./deploy/envoy/envoy.yaml:/etc/envoy/envoy.yaml:ro"]
+    assert [p.rsplit(":", 1)[1].strip('"') for p in envoy["ports"]] == ["8080"]
+    if shutil.which("docker-compose"):  # merge keys, profiles and variables as compose reads them
+        for profile in ([], ["--profile", "scale"]):
+            subprocess.run(["docker-compose", *profile, "config", "-q"], cwd=ROOT, check=True,
+                           capture_output=True, timeout=60)  # fmt: skip
 
 
 # --- several replicas behind Envoy, under load ----------------------------------------------
