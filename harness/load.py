@@ -37,6 +37,7 @@ class Call:
     end: float | None = None
     code: grpc.StatusCode | None = None
     began: bool = False  # a stream: its first chunk came
+    began_at: float = 0.0
     upstream: str = ""  # the replica that answered (the loopback config's reply header)
     details: str = ""  # a failed call's message
 
@@ -68,7 +69,7 @@ class Load(threading.Thread):
                     async for _ in stream:
                         if not call.began:
                             call.upstream = upstream(await stream.initial_metadata())
-                            call.began = True
+                            call.began, call.began_at = True, time.monotonic()
                 else:
                     method, request = (
                         (stub.Embed, EMBED) if rpc == "Embed" else (stub.Generate, GENERATE)

@@ -252,12 +252,13 @@ def test_a_replica_killed_under_load_costs_no_embed_and_cuts_its_streams(cluster
     load = cluster.load
     victim = cluster.replicas[0]
     deadline = time.monotonic() + 10
-    while True:  # kill it while it has a stream open
+    while True:  # kill it while a stream has just begun on it (its 12 tokens take about 1 s)
+        now = time.monotonic()
         open_streams = [
             c for c in load.since(t0 - 30, "GenerateStream")
             if c.began and c.end is None and c.upstream == victim.address
         ]  # fmt: skip
-        if open_streams or time.monotonic() > deadline:
+        if any(now - c.began_at < 0.2 for c in open_streams) or now > deadline:
             break
         time.sleep(0.01)
     assert open_streams, "no stream open on the victim in 10 s"
