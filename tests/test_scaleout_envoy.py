@@ -115,18 +115,20 @@ def join(c: Cluster) -> Joined:
     (rep,) = c.add(1)
     counts = []
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+    while True:  # a count read before a check that still said NOT_SERVING was read NOT_SERVING
         seen = sum(rep.requests().values())
-        if rep.serving():  # it turns SERVING once: every count before was read NOT_SERVING
-            serving_at = time.monotonic()
-            ramp = []
-            for _ in range(4):
-                calls, _ = shares_over([rep, *c.replicas], 0.5)
-                ramp.append(round(calls[0].total() * 3 / sum(n.total() for n in calls[1:]), 2))
-            return Joined(rep, counts, serving_at, ramp)
+        if rep.serving():  # (health turns SERVING once and stays)
+            break
         counts.append(seen)
+        if time.monotonic() > deadline:
+            rep.stop()
+            raise AssertionError(f"not SERVING in 90 s:\n{rep.svc.tail()}")
         time.sleep(0.05)
-    raise AssertionError(f"not SERVING in 90 s:\n{rep.svc.tail()}")
+    serving_at, ramp, others = time.monotonic(), [], list(c.replicas)
+    for _ in range(4):
+        calls, _ = shares_over([rep, *others], 0.5)
+        ramp.append(round(calls[0].total() * len(others) / sum(n.total() for n in calls[1:]), 2))
+    return Joined(rep, counts, serving_at, ramp)
 
 
 def shares_over(reps: Sequence[Replica], seconds: float) -> tuple[list[Counter[str]], list[float]]:
