@@ -115,8 +115,10 @@ def test_mode_none_runs_no_warmup_and_serves_right_after_the_load(tmp_path: Path
         after_load = (serving - loaded).total_seconds()
         print(f"mode NONE: load {sum(loads):.2f} s, start to SERVING {ready:.2f} s")
         # Past the load: Describe, Reseed, MarkServing, and at most one of the sidecar's
-        # polls while the models load (LOADING_POLL_S): no warmup work at all.
-        assert after_load <= 0.1 * sum(loads) + LOADING_POLL_S, (after_load, loads)
+        # polls while the models load (LOADING_POLL_S): no warmup work at all (the log
+        # lines above say so; this bound leaves room for a loaded 2-core machine: 0.444 s
+        # against a 0.41 s bound failed one CI run; any warmup step takes seconds).
+        assert after_load <= 0.5 * sum(loads) + 2 * LOADING_POLL_S, (after_load, loads)
     finally:
         ctl.stop()
         svc.stop()

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -357,14 +358,23 @@ def test_run_script_starts_both_reports_serving_and_stops_both(tmp_path: Path) -
         start_new_session=True,
     )  # fmt: skip
     lines: list[str] = []
-    try:
+    # A reader thread, so a script that stops writing fails this test with what it wrote
+    # (a blocking readline here would only end at pytest's timeout, with no output).
+    eof = threading.Event()
+
+    def read() -> None:
         assert proc.stdout is not None
+        lines.extend(iter(proc.stdout.readline, ""))  # up to EOF: every writer is gone
+        eof.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
         deadline = time.monotonic() + 30
         while not any("=== SERVING on 127.0.0.1:" in x for x in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
-            lines.append(proc.stdout.readline())
+            assert time.monotonic() < deadline and not eof.is_set(), "".join(lines)
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the script
-        lines += proc.stdout.readlines()  # up to EOF: every writer is gone
+        assert eof.wait(30), "no EOF 30 s after Ctrl-C:\n" + "".join(lines)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
