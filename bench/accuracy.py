@@ -129,8 +129,7 @@ def load_embed(dtype: str, mode: CompilationMode, model_spec: str = "default") -
 
 
 def embed(model: EmbeddingModel, texts: tuple[str, ...]) -> torch.Tensor:
-    rows = [model.truncate(r) if len(r) > model.max_input_tokens else r
-            for r in model.tokenize(list(texts))]  # fmt: skip
+    rows = model.tokenize(list(texts), truncate=True)
     length = max(len(r) for r in rows)
     ids = torch.full((len(rows), length), model.pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)

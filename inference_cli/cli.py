@@ -1,7 +1,7 @@
 """inference-cli: a health probe and a small client for the service.
 
     inference-cli health [--addr TARGET] [--service NAME] [--wait] [--timeout S]
-    inference-cli embed "some text" "more text" [--dimensions N] [--json]
+    inference-cli embed "some text" "more text" [--dimensions N] [--prompt-name NAME] [--json]
     inference-cli generate "Once upon a time" [--stream] [--seed N] [--temperature T] [--json]
     inference-cli info [--json]
 
@@ -161,6 +161,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         normalize=args.normalize,
         truncate=args.truncate,
         dimensions=args.dimensions,
+        prompt_name=args.prompt_name,
     )
     with open_channel(args) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
@@ -257,6 +258,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             f"  {m.name}: {kind}, {m.dimensions} dims, max input {m.max_input_tokens} tokens,"
             f" max batch {m.max_batch_size}, {m.dtype} on {m.device}"
         )
+        if m.prompt_names:
+            default = f" (default {m.default_prompt_name})" if m.default_prompt_name else ""
+            print(f"    prompts: {', '.join(m.prompt_names)}{default}")
     return EXIT_OK
 
 
@@ -306,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--dimensions", type=int, default=0, help="keep the first N components")
     e.add_argument("--truncate", action="store_true", help="cut inputs over the limit")
+    e.add_argument(
+        "--prompt-name",
+        default="",
+        metavar="NAME",
+        help="a prompt the model declares (e.g. query, document; `info` lists them); "
+        "default: the model's default prompt, if any",
+    )
     e.add_argument("--timeout", type=_positive_float, default=CALL_TIMEOUT_S)
     e.add_argument("--json", action="store_true", help="print the reply as JSON")
     e.set_defaults(func=cmd_embed)

@@ -17,6 +17,7 @@ class EmbedLimits:
     max_batch: int  # most inputs in one call (--embed-max-batch)
     max_input_tokens: int  # longest input, in tokens (longer: truncated or refused)
     dimensions: int  # the model's embedding width: most dimensions a call may ask
+    prompt_names: tuple[str, ...] = ()  # the prompts a call may name
 
 
 @dataclass(frozen=True)

@@ -141,8 +141,13 @@ def embed_params(req: pb.EmbedRequest, limits: EmbedLimits) -> EmbedParams:
         raise InvalidArgument(
             f"dimensions: {req.dimensions}; the model has {limits.dimensions} (0 keeps all)"
         )
+    if req.prompt_name and req.prompt_name not in limits.prompt_names:
+        raise InvalidArgument(
+            f"prompt_name: {quote(req.prompt_name)}; the model declares "
+            f"{', '.join(map(repr, limits.prompt_names)) or 'none'}"
+        )
     normalize = req.normalize if req.HasField("normalize") else True
-    return EmbedParams(tuple(req.inputs), normalize, req.truncate, req.dimensions)
+    return EmbedParams(tuple(req.inputs), normalize, req.truncate, req.dimensions, req.prompt_name)
 
 
 def generate_params(req: pb.GenerateRequest, limits: GenLimits) -> GenerateParams:

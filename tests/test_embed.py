@@ -51,7 +51,9 @@ async def test_embed_order_and_batching_do_not_change_vectors(real):
 
 async def test_embed_dimensions_and_normalize_options(real, reference):
     raw = _matrix(await real.inference.Embed(pb.EmbedRequest(inputs=TEXTS[:2], normalize=False)))
-    assert not torch.allclose(raw.norm(dim=-1), torch.ones(2), atol=1e-3)
+    # Unit length all the same: the model's modules.json ends in Normalize, so its own
+    # vectors are normalised, as sentence-transformers' encode(normalize_embeddings=False).
+    assert torch.allclose(raw.norm(dim=-1), torch.ones(2), atol=1e-4)
     cut = _matrix(await real.inference.Embed(pb.EmbedRequest(inputs=TEXTS[:2], dimensions=64)))
     assert cut.shape == (2, 64)
     want = torch.nn.functional.normalize(raw[:, :64], dim=-1)

@@ -10,7 +10,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import torch.nn.functional as F
 
 from inference_api.plan import Bucket, ModelKind, ModelProfile, Step, StepKind
@@ -39,22 +38,27 @@ WARM_PARAMS = EmbedParams(("warm up the request path",), True, False, 0)
 class EmbedJob:
     ids: list[list[int]]
     params: EmbedParams
+    skip: int = 0  # each row's first tokens left out of the pooling (an excluded prompt)
     future: Future[EmbedResult] = field(default_factory=Future)
 
 
 def prepare(m: EmbeddingModel, params: EmbedParams) -> EmbedJob:
-    """Tokenize and check the limits; raises InvalidArgument."""
-    ids = m.tokenize(list(params.inputs))
+    """Tokenize (the prompt the request names, or the model's default, put before each
+    input as sentence-transformers does) and check the limits; raises InvalidArgument."""
+    prompt = m.st.prompt(params.prompt_name)
+    texts = [prompt + text for text in params.inputs]
+    ids = m.tokenize(texts)
     for i, row in enumerate(ids):
         if len(row) <= m.max_input_tokens:
             continue
         if not params.truncate:
+            counted = f" with the prompt {m.st.prompt_name(params.prompt_name)!r}" if prompt else ""
             raise InvalidArgument(
-                f"inputs[{i}]: {len(row)} tokens; the limit is {m.max_input_tokens} "
+                f"inputs[{i}]: {len(row)} tokens{counted}; the limit is {m.max_input_tokens} "
                 "(set truncate=true to cut longer inputs)"
             )
-        ids[i] = m.truncate(row)
-    return EmbedJob(ids, params)
+        ids[i] = m.tokenize([texts[i]], truncate=True)[0]
+    return EmbedJob(ids, params, m.prompt_skip.get(prompt, 0))
 
 
 def run_batch(m: EmbeddingModel, buckets: EmbedBuckets, jobs: list[EmbedJob]) -> None:
@@ -65,22 +69,18 @@ def run_batch(m: EmbeddingModel, buckets: EmbedBuckets, jobs: list[EmbedJob]) ->
     if not jobs:
         return
     rows = [r for job in jobs for r in job.ids]
+    skips = [job.skip for job in jobs for _ in job.ids]
     shape = buckets.shape(len(rows), max(len(r) for r in rows))
-    batch, length = shape.batch_size, shape.seq_len
-    ids = torch.full((batch, length), m.pad_id, dtype=torch.long)
-    mask = torch.zeros(batch, length, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-        mask[i, : len(r)] = 1
-    mask[len(rows) :, 0] = 1  # pad rows: one visible token, never read back
-    pooled = m.forward(ids, mask)
+    ids, mask, pooled = m.batch(rows, skips, shape.batch_size, shape.seq_len)
+    vectors = m.forward(ids, mask, pooled=pooled)
     start = 0
     for job in jobs:
-        vecs = pooled[start : start + len(job.ids)]
+        vecs = vectors[start : start + len(job.ids)]
         start += len(job.ids)
         if job.params.dimensions:
             vecs = vecs[:, : job.params.dimensions]
-        if job.params.normalize:
+        # The model's own Normalize (modules.json) left whole vectors at unit length.
+        if job.params.normalize and (job.params.dimensions or not m.st.normalize):
             vecs = F.normalize(vecs, p=2, dim=-1)
         tokens = sum(len(r) for r in job.ids)
         job.future.set_result(EmbedResult(vecs.tolist(), tokens))
@@ -120,7 +120,9 @@ class EmbeddingRuntime(RuntimeBase):
             inbox, self._run, fail,
             capacity=max_batch, rows_of=lambda job: len(job.ids), batch_wait_s=batch_wait_s,
         )  # fmt: skip
-        self.limits = EmbedLimits(max_batch, model.max_input_tokens, model.dimensions)
+        self.limits = EmbedLimits(
+            max_batch, model.max_input_tokens, model.dimensions, tuple(sorted(model.st.prompts))
+        )
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -187,7 +189,8 @@ class EmbeddingRuntime(RuntimeBase):
         return self._info(
             m, dimensions=m.dimensions, max_input_tokens=m.max_input_tokens,
             max_batch_size=self.limits.max_batch, max_new_tokens=0, has_kv_cache=False,
-            vocab_size=m.vocab_size,
+            vocab_size=m.vocab_size, prompt_names=tuple(sorted(m.st.prompts)),
+            default_prompt_name=m.st.default_prompt_name or "",
         )  # fmt: skip
 
 

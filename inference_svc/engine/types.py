@@ -23,6 +23,7 @@ class EmbedParams:
     normalize: bool
     truncate: bool
     dimensions: int
+    prompt_name: str = ""  # a prompt the model declares; "" = its default prompt, if any
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,5 @@ class RuntimeInfo:
     device: str
     compilation_mode: CompilationMode
     late_compile_events: int
+    prompt_names: tuple[str, ...] = ()  # Embed's prompt_name values (embedding models)
+    default_prompt_name: str = ""  # the prompt applied when a request names none

@@ -1,66 +1,56 @@
-"""The embedding model: a sentence-transformers style encoder with pooling."""
+"""The embedding model: a sentence-transformers pipeline (models/embed_st.py reads what the
+directory declares) run as one module: the transformers encoder, the pooling, Normalize."""
 
 from __future__ import annotations
 
-import enum
-import json
+import inspect
 import logging
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from inference_svc.compile_monitor import Origin
 from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
+from inference_svc.models.embed_st import StConfig, pool, read_st_config
 from inference_svc.models.loading import offline
 from inference_svc.models.weights import numerics
 
 log = logging.getLogger(__name__)
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-class Pooling(enum.Enum):
-    MEAN = "mean"  # the mean of the token vectors under the attention mask
-    CLS = "cls"  # the first token's vector
-
-
-def pooling_mode(directory: Path) -> Pooling:
-    """From sentence-transformers' 1_Pooling/config.json (mean if absent)."""
-    cfg = _read_json(directory / "1_Pooling" / "config.json")
-    return Pooling.CLS if cfg.get("pooling_mode_cls_token") else Pooling.MEAN
-
-
 class _Pooled(torch.nn.Module):
-    """Encoder + pooling as one module: the graph that gets compiled."""
+    """Encoder + pooling (+ Normalize) as one module: the graph that gets compiled."""
 
-    def __init__(self, encoder: torch.nn.Module, mode: Pooling) -> None:
+    def __init__(self, encoder: torch.nn.Module, st: StConfig) -> None:
         super().__init__()
         self.encoder = encoder
-        self.mode = mode
+        self.modes = st.pooling
+        self.normalize = st.normalize
+        params = inspect.signature(encoder.forward).parameters
+        self.type_ids = "token_type_ids" in params  # BERT-style encoders; decoders take none
+        self.no_cache = "use_cache" in params  # decoders: no KV cache built for one pass
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        out = self.encoder(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            token_type_ids=torch.zeros_like(input_ids),
-        )
-        hidden = out.last_hidden_state.float()
-        if self.mode is Pooling.CLS:
-            return hidden[:, 0]
-        mask = attention_mask[..., None].to(hidden.dtype)
-        return (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+    def forward(self, input_ids: Tensor, attention_mask: Tensor, pooled: Tensor) -> Tensor:
+        """``pooled``: the tokens pooled (``attention_mask`` less a prompt left out)."""
+        extra: dict[str, object] = {}
+        if self.type_ids:
+            extra["token_type_ids"] = torch.zeros_like(input_ids)
+        if self.no_cache:
+            extra["use_cache"] = False
+        out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra)
+        vectors = pool(out.last_hidden_state.float(), attention_mask, pooled, self.modes)
+        return F.normalize(vectors, p=2, dim=-1) if self.normalize else vectors
 
 
 # The encoder's graph family (models/aoti.py): batch and padded length vary.
-EMBED = Family(
-    "embed",
-    lambda a: {"batch": a[0].shape[0], "length": a[0].shape[1]},
-    lambda d, a: ({0: d["batch"], 1: d["length"]}, {0: d["batch"], 1: d["length"]}),
-)
+def _embed_shapes(d: dict, a: tuple) -> tuple[dict, ...]:
+    return tuple({0: d["batch"], 1: d["length"]} for _ in a)
+
+
+EMBED = Family("embed", lambda a: {"batch": a[0].shape[0], "length": a[0].shape[1]}, _embed_shapes)
 
 
 class EmbeddingModel:
@@ -73,17 +63,26 @@ class EmbeddingModel:
         tokenizer: object,
         max_input_tokens: int,
         dtype_why: str = "",
+        st: StConfig | None = None,
     ) -> None:
         self.ctx = ctx
         self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
         self.tokenizer = tokenizer
         self.max_input_tokens = max_input_tokens
+        self.st = st or StConfig()
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.numerics = numerics(self.dtype, "same", dtype_why)
-        self.dimensions = pooled.encoder.config.hidden_size
+        self.dimensions = pooled.encoder.config.hidden_size * len(self.st.pooling)
         self.vocab_size = pooled.encoder.config.vocab_size
         self.pad_id = tokenizer.pad_token_id or 0
+        self.left_padded = tokenizer.padding_side == "left"
+        # Tokens of each prompt left out of the pooling (include_prompt false), counted as
+        # sentence-transformers counts them: the prompt alone, less a trailing special token.
+        self.prompt_skip = {
+            text: 0 if self.st.include_prompt or not text else self._prompt_length(text)
+            for text in self.st.prompts.values()
+        }
         self._forward = ctx.compile(pooled, EMBED)
 
     @property
@@ -91,41 +90,100 @@ class EmbeddingModel:
         """The graphs that run from AOTInductor packages (none on other backends)."""
         return [self._forward] if isinstance(self._forward, AotiGraph) else []
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids per text, untruncated (the caller checks the limit)."""
-        return [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
+    def _prompt_length(self, prompt: str) -> int:
+        ids = self.tokenize([prompt], truncate=True)[0]
+        special = set(self.tokenizer.all_special_ids)
+        return len(ids) - 1 if ids and ids[-1] in special else len(ids)
+
+    def tokenize(self, texts: list[str], truncate: bool = False) -> list[list[int]]:
+        """Token ids per text; ``truncate``: cut to the limit as the tokenizer cuts (its
+        special tokens kept), as sentence-transformers does."""
+        if not truncate:
+            return [list(ids) for ids in self.tokenizer(texts)["input_ids"]]
+        out = self.tokenizer(texts, truncation=True, max_length=self.max_input_tokens)
+        return [list(ids) for ids in out["input_ids"]]
 
     def warm_text(self) -> None:
         """Run the tokenizer once: its first call sets things up lazily."""
         self.tokenize(["warm up", "the text path"])
+        self.tokenize(["warm up the truncating path"], truncate=True)
 
-    def truncate(self, ids: list[int]) -> list[int]:
-        """Cut to the limit, keeping the final [SEP] token as the tokenizer would."""
-        return ids[: self.max_input_tokens - 1] + ids[-1:]
+    def batch(
+        self, rows: list[list[int]], skips: list[int], batch: int, length: int
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """``rows`` padded to (batch, length) on the tokenizer's side: ids, the attention
+        mask, and the pooled mask (each row's first ``skips[i]`` tokens left out). Rows past
+        ``rows`` are padding: one visible token each, never read back."""
+        ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(batch, length, dtype=torch.long)
+        pooled = torch.zeros(batch, length, dtype=torch.long)
+        for i, (r, skip) in enumerate(zip(rows, skips, strict=True)):
+            start = length - len(r) if self.left_padded else 0
+            ids[i, start : start + len(r)] = torch.tensor(r)
+            mask[i, start : start + len(r)] = 1
+            pooled[i, start + skip : start + len(r)] = 1
+        edge = -1 if self.left_padded else 0
+        mask[len(rows) :, edge] = 1
+        pooled[len(rows) :, edge] = 1
+        return ids, mask, pooled
 
     @torch.inference_mode()
-    def forward(self, ids: Tensor, mask: Tensor, origin: Origin = Origin.REQUEST) -> Tensor:
+    def forward(
+        self,
+        ids: Tensor,
+        mask: Tensor,
+        origin: Origin = Origin.REQUEST,
+        pooled: Tensor | None = None,
+    ) -> Tensor:
         shapes = f"batch={ids.shape[0]} len={ids.shape[1]}"
+        pooled = mask if pooled is None else pooled
         with self.monitor.context(self.name, f"embed/{origin.value}", shapes):
-            return self._forward(ids.to(self.device), mask.to(self.device)).float().cpu()
+            args = (ids.to(self.device), mask.to(self.device), pooled.to(self.device))
+            return self._forward(*args).float().cpu()
 
     def dummy_run(self, batch: int, length: int, gen: torch.Generator) -> Tensor:
-        ids = torch.randint(1000, self.vocab_size, (batch, length), generator=gen)
-        mask = torch.ones(batch, length, dtype=torch.long)
-        mask[0, length // 2 :] = 0  # a padded row, as real batches have
-        return self.forward(ids, mask, Origin.WARMUP)
+        ids = torch.randint(1000, self.vocab_size, (batch, length), generator=gen).tolist()
+        rows = [ids[0][: max(1, length // 2)], *ids[1:]]  # a padded row, as real batches have
+        skips = [0] * batch
+        if batch > 1:
+            skips[1] = 1  # a row with a prompt left out of the pooling
+        t_ids, mask, pooled = self.batch(rows, skips, batch, length)
+        return self.forward(t_ids, mask, Origin.WARMUP, pooled)
+
+
+def _lowercase(tokenizer: object) -> None:
+    """do_lower_case: lowercase in the tokenizer's normalizer, as sentence-transformers does."""
+    from tokenizers.normalizers import Lowercase
+    from tokenizers.normalizers import Sequence as NormalizerSequence
+
+    backend = tokenizer.backend_tokenizer
+    normalizer = backend.normalizer
+    if normalizer is not None and "Lowercase" in repr(normalizer):
+        return
+    chain = [Lowercase()]
+    if isinstance(normalizer, NormalizerSequence):
+        chain += list(normalizer)
+    elif normalizer is not None:
+        chain.append(normalizer)
+    backend.normalizer = NormalizerSequence(chain)
 
 
 def load_embedding(ctx: ModelContext, directory: Path, dtype_why: str = "") -> EmbeddingModel:
     """The sentence-embedding model in ``directory``, in ``ctx.dtype`` (``dtype_why``: why
-    --embed-dtype auto chose it, "" when it was named)."""
+    --embed-dtype auto chose it, "" when it was named). ValueError, before any weights are
+    read, for what the directory declares and is not supported (models/embed_st.py)."""
     from transformers import AutoModel, AutoTokenizer
 
     offline()
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    st = read_st_config(directory)
+    kwargs = dict(st.tokenizer_kwargs)
+    if st.max_seq_length and "model_max_length" not in kwargs:
+        kwargs["model_max_length"] = int(st.max_seq_length)
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
+    if st.do_lower_case:
+        _lowercase(tokenizer)
     encoder = AutoModel.from_pretrained(str(directory), local_files_only=True, dtype=ctx.dtype)
-    st_limit = _read_json(directory / "sentence_bert_config.json").get("max_seq_length")
-    limit = int(st_limit or encoder.config.max_position_embeddings)
-    limit = min(limit, encoder.config.max_position_embeddings)
-    pooled = _Pooled(encoder, pooling_mode(directory)).to(ctx.device).eval()
-    return EmbeddingModel(ctx, pooled, tokenizer, limit, dtype_why)
+    positions = getattr(encoder.config, "max_position_embeddings", None) or 2**31
+    limit = min(int(tokenizer.model_max_length), positions)
+    pooled = _Pooled(encoder, st).to(ctx.device).eval()
+    return EmbeddingModel(ctx, pooled, tokenizer, limit, dtype_why, st)

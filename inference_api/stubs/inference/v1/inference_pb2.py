@@ -25,47 +25,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinference/v1/inference.proto\x12\x0cinference.v1\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"j\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x12\n\ndimensions\x18\x04 \x01(\rB\x0c\n\n_normalize\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"o\n\rEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.inference.v1.Embedding\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.inference.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"~\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.inference.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.inference.v1.SamplingParams\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.inference.v1.TopLogprob\"\xc7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.inference.v1.Usage\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\x12\r\n\x05model\x18\x06 \x01(\t\"\xb5\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.inference.v1.Usage\"\r\n\x0bInfoRequest\"\xbd\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.inference.v1.ModelKind\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x14\n\x0chas_kv_cache\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x37\n\x10\x63ompilation_mode\x18\x0b \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x1b\n\x13late_compile_events\x18\x0c \x01(\x04\"\xc0\x01\n\x0cInfoResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.inference.v1.ModelInfo\x12\x37\n\x10\x63ompilation_mode\x18\x02 \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x1b\n\x13late_compile_events\x18\x03 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x0f\n\x07version\x18\x06 \x01(\t*\\\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x01\x12\x19\n\x15MODEL_KIND_GENERATIVE\x10\x02*\x8f\x01\n\x0f\x43ompilationMode\x12 \n\x1c\x43OMPILATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43OMPILATION_MODE_NONE\x10\x01\x12\x1c\n\x18\x43OMPILATION_MODE_DEFAULT\x10\x02\x12!\n\x1d\x43OMPILATION_MODE_MAX_AUTOTUNE\x10\x03*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xa7\x02\n\tInference\x12@\n\x05\x45mbed\x12\x1a.inference.v1.EmbedRequest\x1a\x1b.inference.v1.EmbedResponse\x12I\n\x08Generate\x12\x1d.inference.v1.GenerateRequest\x1a\x1e.inference.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.inference.v1.GenerateRequest\x1a\x1b.inference.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.inference.v1.InfoRequest\x1a\x1a.inference.v1.InfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinference/v1/inference.proto\x12\x0cinference.v1\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"\x7f\n\x0c\x45mbedRequest\x12\x0e\n\x06inputs\x18\x01 \x03(\t\x12\x16\n\tnormalize\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x10\n\x08truncate\x18\x03 \x01(\x08\x12\x12\n\ndimensions\x18\x04 \x01(\r\x12\x13\n\x0bprompt_name\x18\x05 \x01(\tB\x0c\n\n_normalize\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"o\n\rEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.inference.v1.Embedding\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.inference.v1.Usage\x12\r\n\x05model\x18\x03 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb6\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x05\x42\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"~\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.inference.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.inference.v1.SamplingParams\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"g\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12%\n\x03top\x18\x04 \x03(\x0b\x32\x18.inference.v1.TopLogprob\"\xc7\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.inference.v1.Usage\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\x12\r\n\x05model\x18\x06 \x01(\t\"\xb5\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.inference.v1.TokenLogprob\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.inference.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.inference.v1.Usage\"\r\n\x0bInfoRequest\"\xf0\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12%\n\x04kind\x18\x02 \x01(\x0e\x32\x17.inference.v1.ModelKind\x12\x12\n\ndimensions\x18\x03 \x01(\r\x12\x18\n\x10max_input_tokens\x18\x04 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\r\x12\x14\n\x0chas_kv_cache\x18\x07 \x01(\x08\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x37\n\x10\x63ompilation_mode\x18\x0b \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x1b\n\x13late_compile_events\x18\x0c \x01(\x04\x12\x14\n\x0cprompt_names\x18\r \x03(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_prompt_name\x18\x0e \x01(\t\"\xc0\x01\n\x0cInfoResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.inference.v1.ModelInfo\x12\x37\n\x10\x63ompilation_mode\x18\x02 \x01(\x0e\x32\x1d.inference.v1.CompilationMode\x12\x1b\n\x13late_compile_events\x18\x03 \x01(\x04\x12\x0f\n\x07\x62oot_id\x18\x04 \x01(\t\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x0f\n\x07version\x18\x06 \x01(\t*\\\n\tModelKind\x12\x1a\n\x16MODEL_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MODEL_KIND_EMBEDDING\x10\x01\x12\x19\n\x15MODEL_KIND_GENERATIVE\x10\x02*\x8f\x01\n\x0f\x43ompilationMode\x12 \n\x1c\x43OMPILATION_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43OMPILATION_MODE_NONE\x10\x01\x12\x1c\n\x18\x43OMPILATION_MODE_DEFAULT\x10\x02\x12!\n\x1d\x43OMPILATION_MODE_MAX_AUTOTUNE\x10\x03*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xa7\x02\n\tInference\x12@\n\x05\x45mbed\x12\x1a.inference.v1.EmbedRequest\x1a\x1b.inference.v1.EmbedResponse\x12I\n\x08Generate\x12\x1d.inference.v1.GenerateRequest\x1a\x1e.inference.v1.GenerateResponse\x12N\n\x0eGenerateStream\x12\x1d.inference.v1.GenerateRequest\x1a\x1b.inference.v1.GenerateChunk0\x01\x12=\n\x04Info\x12\x19.inference.v1.InfoRequest\x1a\x1a.inference.v1.InfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'inference.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODELKIND']._serialized_start=1821
-  _globals['_MODELKIND']._serialized_end=1913
-  _globals['_COMPILATIONMODE']._serialized_start=1916
-  _globals['_COMPILATIONMODE']._serialized_end=2059
-  _globals['_FINISHREASON']._serialized_start=2061
-  _globals['_FINISHREASON']._serialized_end=2179
+  _globals['_MODELKIND']._serialized_start=1893
+  _globals['_MODELKIND']._serialized_end=1985
+  _globals['_COMPILATIONMODE']._serialized_start=1988
+  _globals['_COMPILATIONMODE']._serialized_end=2131
+  _globals['_FINISHREASON']._serialized_start=2133
+  _globals['_FINISHREASON']._serialized_end=2251
   _globals['_USAGE']._serialized_start=46
   _globals['_USAGE']._serialized_end=125
   _globals['_EMBEDREQUEST']._serialized_start=127
-  _globals['_EMBEDREQUEST']._serialized_end=233
-  _globals['_EMBEDDING']._serialized_start=235
-  _globals['_EMBEDDING']._serialized_end=262
-  _globals['_EMBEDRESPONSE']._serialized_start=264
-  _globals['_EMBEDRESPONSE']._serialized_end=375
-  _globals['_CHATMESSAGE']._serialized_start=377
-  _globals['_CHATMESSAGE']._serialized_end=421
-  _globals['_SAMPLINGPARAMS']._serialized_start=424
-  _globals['_SAMPLINGPARAMS']._serialized_end=606
-  _globals['_GENERATEREQUEST']._serialized_start=608
-  _globals['_GENERATEREQUEST']._serialized_end=734
-  _globals['_TOPLOGPROB']._serialized_start=736
-  _globals['_TOPLOGPROB']._serialized_end=798
-  _globals['_TOKENLOGPROB']._serialized_start=800
-  _globals['_TOKENLOGPROB']._serialized_end=903
-  _globals['_GENERATERESPONSE']._serialized_start=906
-  _globals['_GENERATERESPONSE']._serialized_end=1105
-  _globals['_GENERATECHUNK']._serialized_start=1108
-  _globals['_GENERATECHUNK']._serialized_end=1289
-  _globals['_INFOREQUEST']._serialized_start=1291
-  _globals['_INFOREQUEST']._serialized_end=1304
-  _globals['_MODELINFO']._serialized_start=1307
-  _globals['_MODELINFO']._serialized_end=1624
-  _globals['_INFORESPONSE']._serialized_start=1627
-  _globals['_INFORESPONSE']._serialized_end=1819
-  _globals['_INFERENCE']._serialized_start=2182
-  _globals['_INFERENCE']._serialized_end=2477
+  _globals['_EMBEDREQUEST']._serialized_end=254
+  _globals['_EMBEDDING']._serialized_start=256
+  _globals['_EMBEDDING']._serialized_end=283
+  _globals['_EMBEDRESPONSE']._serialized_start=285
+  _globals['_EMBEDRESPONSE']._serialized_end=396
+  _globals['_CHATMESSAGE']._serialized_start=398
+  _globals['_CHATMESSAGE']._serialized_end=442
+  _globals['_SAMPLINGPARAMS']._serialized_start=445
+  _globals['_SAMPLINGPARAMS']._serialized_end=627
+  _globals['_GENERATEREQUEST']._serialized_start=629
+  _globals['_GENERATEREQUEST']._serialized_end=755
+  _globals['_TOPLOGPROB']._serialized_start=757
+  _globals['_TOPLOGPROB']._serialized_end=819
+  _globals['_TOKENLOGPROB']._serialized_start=821
+  _globals['_TOKENLOGPROB']._serialized_end=924
+  _globals['_GENERATERESPONSE']._serialized_start=927
+  _globals['_GENERATERESPONSE']._serialized_end=1126
+  _globals['_GENERATECHUNK']._serialized_start=1129
+  _globals['_GENERATECHUNK']._serialized_end=1310
+  _globals['_INFOREQUEST']._serialized_start=1312
+  _globals['_INFOREQUEST']._serialized_end=1325
+  _globals['_MODELINFO']._serialized_start=1328
+  _globals['_MODELINFO']._serialized_end=1696
+  _globals['_INFORESPONSE']._serialized_start=1699
+  _globals['_INFORESPONSE']._serialized_end=1891
+  _globals['_INFERENCE']._serialized_start=2254
+  _globals['_INFERENCE']._serialized_end=2549
 # @@protoc_insertion_point(module_scope)

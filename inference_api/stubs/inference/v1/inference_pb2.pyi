@@ -50,16 +50,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "normalize", "truncate", "dimensions")
+    __slots__ = ("inputs", "normalize", "truncate", "dimensions", "prompt_name")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     inputs: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
     truncate: bool
     dimensions: int
-    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., dimensions: _Optional[int] = ...) -> None: ...
+    prompt_name: str
+    def __init__(self, inputs: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., truncate: _Optional[bool] = ..., dimensions: _Optional[int] = ..., prompt_name: _Optional[str] = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values",)
@@ -170,7 +172,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "dimensions", "max_input_tokens", "max_batch_size", "max_new_tokens", "has_kv_cache", "vocab_size", "dtype", "device", "compilation_mode", "late_compile_events")
+    __slots__ = ("name", "kind", "dimensions", "max_input_tokens", "max_batch_size", "max_new_tokens", "has_kv_cache", "vocab_size", "dtype", "device", "compilation_mode", "late_compile_events", "prompt_names", "default_prompt_name")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +185,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     COMPILATION_MODE_FIELD_NUMBER: _ClassVar[int]
     LATE_COMPILE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: ModelKind
     dimensions: int
@@ -195,7 +199,9 @@ class ModelInfo(_message.Message):
     device: str
     compilation_mode: CompilationMode
     late_compile_events: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_kv_cache: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compilation_mode: _Optional[_Union[CompilationMode, str]] = ..., late_compile_events: _Optional[int] = ...) -> None: ...
+    prompt_names: _containers.RepeatedScalarFieldContainer[str]
+    default_prompt_name: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ModelKind, str]] = ..., dimensions: _Optional[int] = ..., max_input_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., has_kv_cache: _Optional[bool] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., compilation_mode: _Optional[_Union[CompilationMode, str]] = ..., late_compile_events: _Optional[int] = ..., prompt_names: _Optional[_Iterable[str]] = ..., default_prompt_name: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("models", "compilation_mode", "late_compile_events", "boot_id", "serving", "version")
