@@ -54,6 +54,7 @@ class Spec:
     prompts: dict[str, str] = field(default_factory=dict)
     default_prompt: str | None = None
     max_seq_length: int = 16
+    lower_case: bool = False  # do_lower_case, as older sentence_bert_config.json files say
 
 
 SPECS = [
@@ -80,6 +81,7 @@ SPECS = [
         decoder=True,
         max_seq_length=24,
         prompts={"query": "Instruct: Given a question, find passages\nQuery: "},
+        lower_case=True,  # the tokenizer is cased
     ),
 ]
 
@@ -138,6 +140,9 @@ def build(spec: Spec, root: Path) -> Path:
         device="cpu",
     )
     model.save(str(out))
+    if spec.lower_case:
+        path = out / "sentence_bert_config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "do_lower_case": True}))
     return out
 
 
