@@ -1,12 +1,12 @@
 """Embed on sentence-transformers directories of every kind, against sentence-transformers
 itself: tiny models built with its own classes (fixed seeds) for each pooling mode (mean, CLS,
 last token; max, mean_sqrt_len_tokens and weightedmean concatenated), with and without
-Normalize, with prompts (a default one, named ones, left out of the pooling where the model
-says so), and a decoder (Qwen3, left padding, last-token pooling) as Qwen3-Embedding is.
-Our Embed RPC's vectors equal `SentenceTransformer(dir).encode(...)`'s (cosine >= 0.9999,
-the same length) for batches of unequal lengths and an input past max_seq_length; an unknown
-prompt is INVALID_ARGUMENT; compiled vectors equal eager ones with 0 late compiles; what is
-not supported is refused at load, by name."""
+Normalize, a Dense projection, a T5 encoder, prompts (a default one, named ones, left out of
+the pooling where the model says so), and a decoder (Qwen3, left padding, last-token pooling)
+as Qwen3-Embedding is. Our Embed RPC's vectors equal `SentenceTransformer(dir).encode(...)`'s
+(cosine >= 0.9999, the same length) for batches of unequal lengths and an input past
+max_seq_length; an unknown prompt is INVALID_ARGUMENT; compiled vectors equal eager ones with
+0 late compiles; what is not supported is refused at load, by name."""
 
 from __future__ import annotations
 
@@ -55,6 +55,8 @@ class Spec:
     default_prompt: str | None = None
     max_seq_length: int = 16
     lower_case: bool = False  # do_lower_case, as older sentence_bert_config.json files say
+    dense: int = 0  # a Dense module (tanh) down to this width after the pooling
+    t5: bool = False  # a T5 encoder (sentence-T5, GTR) with the BERT tokenizer
 
 
 SPECS = [
@@ -66,6 +68,7 @@ SPECS = [
         include_prompt=False,
         prompts={"query": "Represent this sentence for searching passages: "},
         default_prompt="query",
+        dense=16,
     ),
     Spec(
         "multi",
@@ -74,6 +77,7 @@ SPECS = [
         include_prompt=False,
         prompts={"query": "query: "},
     ),
+    Spec("t5", "mean", True, t5=True),
     Spec(
         "decoder",
         "lasttoken",
@@ -116,14 +120,24 @@ def _decoder(raw: Path) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), "padding_side": "left"}))
 
 
+def _t5(raw: Path) -> None:
+    """A T5 (encoder and decoder, as sentence-T5 and GTR ship) with the BERT tokenizer."""
+    from transformers import T5Config, T5Model
+
+    build_tiny_embedder(raw)
+    config = T5Config(vocab_size=30522, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    torch.manual_seed(0)
+    T5Model(config).save_pretrained(raw)
+
+
 def build(spec: Spec, root: Path) -> Path:
     """The model of ``spec`` saved by sentence-transformers' own classes."""
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers.base.modules import Normalize, Transformer
+    from sentence_transformers.base.modules import Dense, Normalize, Transformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
     raw, out = root / f"{spec.name}-raw", root / spec.name
-    (_decoder if spec.decoder else build_tiny_embedder)(raw)
+    (_decoder if spec.decoder else _t5 if spec.t5 else build_tiny_embedder)(raw)
     text_only = {"text": {"method": "forward", "method_output_name": "last_hidden_state"}}
     encoder = Transformer(
         str(raw),
@@ -133,6 +147,9 @@ def build(spec: Spec, root: Path) -> Path:
     )
     width = encoder.get_embedding_dimension()
     modules = [encoder, Pooling(width, spec.pooling, include_prompt=spec.include_prompt)]
+    if spec.dense:
+        torch.manual_seed(1)
+        modules.append(Dense(modules[1].get_embedding_dimension(), spec.dense))
     model = SentenceTransformer(
         modules=modules + [Normalize()] * spec.normalize,
         prompts=spec.prompts,
@@ -272,6 +289,7 @@ def _refused(model: Path, tmp_path: Path, edit: dict[str, object]) -> str:
     directory = tmp_path / "model"
     shutil.copytree(model, directory)
     for name, content in edit.items():
+        (directory / name).parent.mkdir(exist_ok=True)
         (directory / name).write_text(json.dumps(content))
     ctx = ModelContext(
         "embedding", CompilationMode.NONE, CompileMonitor(), torch.device("cpu"), torch.float32
@@ -282,11 +300,12 @@ def _refused(model: Path, tmp_path: Path, edit: dict[str, object]) -> str:
 
 
 LEGACY = "sentence_transformers.models."
-DENSE = [
+LAYER_NORM = [
     {"idx": 0, "path": "", "type": LEGACY + "Transformer"},
     {"idx": 1, "path": "1_Pooling", "type": LEGACY + "Pooling"},
-    {"idx": 2, "path": "2_Dense", "type": LEGACY + "Dense"},
+    {"idx": 2, "path": "2_LayerNorm", "type": LEGACY + "LayerNorm"},
 ]
+DENSE = {"idx": 2, "path": "2_Dense", "type": LEGACY + "Dense"}
 MESSAGE = {
     "text": {"method": "forward", "method_output_name": "last_hidden_state"},
     "message": {"method": "forward", "method_output_name": "last_hidden_state"},
@@ -296,7 +315,14 @@ MESSAGE = {
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"modules.json": DENSE}, "module 'sentence_transformers.models.Dense' (2_Dense) is not"),
+        ({"modules.json": LAYER_NORM},
+         "module 'sentence_transformers.models.LayerNorm' (2_LayerNorm) is not supported"),
+        ({"modules.json": [*LAYER_NORM[:2], DENSE],
+          "2_Dense/config.json": {"in_features": 32, "out_features": 8,
+                                  "activation_function": "mypackage.Swish"}},
+         "Dense activation_function 'mypackage.Swish' is not supported"),
+        ({"config.json": {"model_type": "bart"}},
+         "encoder-decoder model type 'bart' is not supported for Embed"),
         ({"1_Pooling/config.json": {"pooling_mode": "attention"}},
          "pooling mode 'attention' is not supported"),
         ({"sentence_bert_config.json": {"modality_config": MESSAGE}},

@@ -1,5 +1,5 @@
 """What a sentence-transformers directory declares, read as sentence-transformers reads it:
-modules.json (Transformer, Pooling, Normalize), the pooling config, sentence_bert_config.json
+modules.json (Transformer, Pooling, Dense, Normalize), the pooling config, sentence_bert_config.json
 (max_seq_length, do_lower_case) and config_sentence_transformers.json (prompts); and the
 pooling itself, the same arithmetic as sentence-transformers' Pooling.
 
@@ -10,6 +10,8 @@ that would change the vectors and is not done here is refused at load, by name.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +30,7 @@ _LEGACY_POOLING_KEYS = {
     "pooling_mode_weightedmean_tokens": "weightedmean",
     "pooling_mode_lasttoken": "lasttoken",
 }
-SUPPORTED_MODULES = ("Transformer", "Pooling", "Normalize")
+SUPPORTED_MODULES = ("Transformer", "Pooling", "Dense", "Normalize")
 # The prompts every SentenceTransformer accepts (empty unless the model declares them).
 ALWAYS_PROMPTS = ("query", "document")
 # sentence_bert_config.json keys that change nothing here, or only where the checks below say.
@@ -40,12 +42,68 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class DenseConfig:
+    """A Dense module: activation(linear(x)), plus x (or a projection of it) with a residual."""
+
+    path: Path  # its folder: config.json and the weights
+    in_features: int
+    out_features: int
+    bias: bool = True
+    activation: str = "torch.nn.modules.activation.Tanh"
+    use_residual: bool = False
+
+    def build(self) -> torch.nn.Module:
+        """The module with its weights, as sentence-transformers' Dense holds them."""
+        module = _Dense(self)
+        module.load_state_dict(_weights(self.path))
+        return module
+
+
+class _Dense(torch.nn.Module):
+    def __init__(self, c: DenseConfig) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(c.in_features, c.out_features, bias=c.bias)
+        self.activation = _activation(c.activation)()
+        self.use_residual = c.use_residual
+        if c.use_residual and c.in_features != c.out_features:
+            self.residual = torch.nn.Linear(c.in_features, c.out_features, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.activation(self.linear(x))
+        if not self.use_residual:
+            return out
+        return out + (self.residual(x) if hasattr(self, "residual") else x)
+
+
+def _activation(name: str) -> type[torch.nn.Module]:
+    """A torch.nn module class by its dotted name (what sentence-transformers loads without
+    trust_remote_code); anything else is refused (and never imported)."""
+    module, _, cls = name.rpartition(".")
+    found = None
+    if module.startswith("torch."):
+        with contextlib.suppress(ImportError):
+            found = getattr(importlib.import_module(module), cls, None)
+    if not (isinstance(found, type) and issubclass(found, torch.nn.Module)):
+        raise ValueError(f"Dense activation_function {name!r} is not supported (torch.nn only)")
+    return found
+
+
+def _weights(directory: Path) -> dict[str, Tensor]:
+    if (directory / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(directory / "model.safetensors"))
+    return torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
+
+
+@dataclass(frozen=True)
 class StConfig:
     """The sentence-transformers pipeline a directory declares."""
 
     pooling: tuple[str, ...] = ("mean",)
     include_prompt: bool = True  # False: prompt tokens are left out of the pooling
-    normalize: bool = False  # a Normalize module after the pooling
+    dense: tuple[DenseConfig, ...] = ()  # Dense modules after the pooling, in order
+    normalize: bool = False  # a Normalize module at the end
     max_seq_length: int | None = None
     do_lower_case: bool = False
     tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -110,10 +168,12 @@ def read_st_config(directory: Path) -> StConfig:
                 f"({entry.get('path') or 'root'}) is not supported; supported: "
                 f"{', '.join(SUPPORTED_MODULES)}"
             )
-    if kinds[:2] != ["Transformer", "Pooling"] or kinds[2:] not in ([], ["Normalize"]):
+    normalize = kinds[-1] == "Normalize"
+    middle = kinds[2 : len(kinds) - normalize]
+    if kinds[:2] != ["Transformer", "Pooling"] or any(k != "Dense" for k in middle):
         raise ValueError(
             f"{directory.name}: modules {kinds} are not supported; supported: Transformer, "
-            "Pooling and optionally Normalize, in that order"
+            "Pooling, any Dense and optionally Normalize, in that order"
         )
     if modules[0].get("path", ""):
         raise ValueError(f"{directory.name}: a Transformer in a subfolder is not supported")
@@ -132,13 +192,27 @@ def read_st_config(directory: Path) -> StConfig:
     return StConfig(
         pooling=pooling_modes(pool),
         include_prompt=bool(pool.get("include_prompt", True)),
-        normalize=kinds[2:] == ["Normalize"],
+        dense=tuple(_dense(directory / m["path"]) for m in modules[2 : 2 + len(middle)]),
+        normalize=normalize,
         max_seq_length=bert.get("max_seq_length"),
         do_lower_case=bool(bert.get("do_lower_case", False)),
         tokenizer_kwargs=dict(bert.get("processor_kwargs") or bert.get("tokenizer_args") or {}),
         prompts=prompts,
         default_prompt_name=default,
     )
+
+
+def _dense(folder: Path) -> DenseConfig:
+    cfg = read_json(folder / "config.json")
+    for key in ("module_input_name", "module_output_name"):
+        if cfg.get(key, "sentence_embedding") != "sentence_embedding":
+            raise ValueError(f"{folder.name}: Dense {key} {cfg[key]!r} is not supported")
+    activation = cfg.get("activation_function", DenseConfig.activation)
+    _activation(activation)  # refused here, before any weights are read
+    return DenseConfig(
+        folder, int(cfg["in_features"]), int(cfg["out_features"]), bool(cfg.get("bias", True)),
+        activation, bool(cfg.get("use_residual", False)),
+    )  # fmt: skip
 
 
 def pool(hidden: Tensor, mask: Tensor, pooled: Tensor, modes: tuple[str, ...]) -> Tensor:

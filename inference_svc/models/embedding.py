@@ -1,5 +1,5 @@
 """The embedding model: a sentence-transformers pipeline (models/embed_st.py reads what the
-directory declares) run as one module: the transformers encoder, the pooling, Normalize."""
+directory declares) run as one module: the transformers encoder, the pooling, Dense, Normalize."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ class _Pooled(torch.nn.Module):
         super().__init__()
         self.encoder = encoder
         self.modes = st.pooling
+        self.dense = torch.nn.ModuleList(d.build() for d in st.dense)
         self.normalize = st.normalize
         params = inspect.signature(encoder.forward).parameters
         self.type_ids = "token_type_ids" in params  # BERT-style encoders; decoders take none
@@ -42,6 +43,8 @@ class _Pooled(torch.nn.Module):
             extra["use_cache"] = False
         out = self.encoder(input_ids=input_ids, attention_mask=attention_mask, **extra)
         vectors = pool(out.last_hidden_state.float(), attention_mask, pooled, self.modes)
+        for dense in self.dense:
+            vectors = dense(vectors.to(dense.linear.weight.dtype))
         return F.normalize(vectors, p=2, dim=-1) if self.normalize else vectors
 
 
@@ -73,7 +76,8 @@ class EmbeddingModel:
         param = next(pooled.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.numerics = numerics(self.dtype, "same", dtype_why)
-        self.dimensions = pooled.encoder.config.hidden_size * len(self.st.pooling)
+        width = pooled.encoder.config.hidden_size * len(self.st.pooling)
+        self.dimensions = self.st.dense[-1].out_features if self.st.dense else width
         self.vocab_size = pooled.encoder.config.vocab_size
         self.pad_id = tokenizer.pad_token_id or 0
         self.left_padded = tokenizer.padding_side == "left"
@@ -168,11 +172,30 @@ def _lowercase(tokenizer: object) -> None:
     backend.normalizer = NormalizerSequence(chain)
 
 
+# Encoder-decoder models whose encoder alone embeds (sentence-T5, GTR), as
+# sentence-transformers loads them.
+ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+
+
+def _encoder_class(config: object) -> type:
+    import transformers
+
+    kind = config.model_type
+    if kind in ENCODER_ONLY:  # saved whole, or as its encoder alone (is_encoder_decoder off)
+        return getattr(transformers, ENCODER_ONLY[kind])
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"encoder-decoder model type {kind!r} is not supported for Embed (encoders of: "
+            f"{', '.join(ENCODER_ONLY)})"
+        )
+    return transformers.AutoModel
+
+
 def load_embedding(ctx: ModelContext, directory: Path, dtype_why: str = "") -> EmbeddingModel:
     """The sentence-embedding model in ``directory``, in ``ctx.dtype`` (``dtype_why``: why
     --embed-dtype auto chose it, "" when it was named). ValueError, before any weights are
     read, for what the directory declares and is not supported (models/embed_st.py)."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     offline()
     st = read_st_config(directory)
@@ -182,7 +205,10 @@ def load_embedding(ctx: ModelContext, directory: Path, dtype_why: str = "") -> E
     tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True, **kwargs)
     if st.do_lower_case:
         _lowercase(tokenizer)
-    encoder = AutoModel.from_pretrained(str(directory), local_files_only=True, dtype=ctx.dtype)
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    encoder = _encoder_class(config).from_pretrained(
+        str(directory), local_files_only=True, dtype=ctx.dtype
+    )
     positions = getattr(encoder.config, "max_position_embeddings", None) or 2**31
     limit = min(int(tokenizer.model_max_length), positions)
     pooled = _Pooled(encoder, st).to(ctx.device).eval()
