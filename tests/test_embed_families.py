@@ -10,6 +10,7 @@ max_seq_length; an unknown prompt is INVALID_ARGUMENT; compiled vectors equal ea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -263,6 +264,23 @@ async def test_an_unknown_prompt_or_an_input_too_long_is_invalid_argument(models
             await c.inference.Embed(pb.EmbedRequest(inputs=[text], prompt_name="query"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "17 tokens with the prompt 'query'; the limit is 16" in info.value.details()
+
+
+async def test_cli_prompt_name_and_info(models, capsys) -> None:
+    """inference-cli embed --prompt-name sends the name: the vectors are ST's with that
+    prompt; info lists the prompts."""
+    from inference_cli import cli
+
+    built = models["mean"]
+    async with serving(args(built.directory), warm=True) as (service, _c):
+        addr = ["--addr", f"127.0.0.1:{service.port}"]
+        argv = ["embed", *addr, "--prompt-name", "passage", "--truncate", "--json", *TEXTS]
+        assert await asyncio.to_thread(cli.main, argv) == cli.EXIT_OK
+        reply = json.loads(capsys.readouterr().out)
+        got = torch.tensor([e["values"] for e in reply["embeddings"]])
+        assert_same(got, built.want["passage", True])
+        assert await asyncio.to_thread(cli.main, ["info", *addr]) == cli.EXIT_OK
+        assert "    prompts: document, passage, query\n" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(600)
