@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class _Pooled(torch.nn.Module):
-    """Encoder + pooling (+ Normalize) as one module: the graph that gets compiled."""
+    """Encoder, pooling, Dense and Normalize as one module: the graph that gets compiled."""
 
     def __init__(self, encoder: torch.nn.Module, st: StConfig) -> None:
         super().__init__()
