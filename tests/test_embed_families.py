@@ -292,7 +292,8 @@ async def test_compiled_decoder_equals_eager_with_no_late_compile(models) -> Non
     compiled = args(built.directory, "--compilation-mode", "default")
     async with serving(compiled, loaded=True) as (_service, c):
         reports = await c.warm_and_serve()
-        assert [r.compile_events for r in reports if r.step == apb.WARMUP_STEP_KIND_COMPILE]
+        # One graph for every bucket (dynamic shapes): more would be a bucket recompiled.
+        assert [r.compile_events for r in reports if r.step == apb.WARMUP_STEP_KIND_COMPILE] == [1]
         got = await embed_all(c, built)
         for n in (1, 2, 3, 5, 8):  # every batch bucket, short and long rows
             await c.inference.Embed(pb.EmbedRequest(inputs=(TEXTS * 2)[:n], truncate=True))
