@@ -38,6 +38,7 @@ from inference_svc.wire import HEALTH_SERVING as SERVING
 from inference_svc.wire import PUBLIC_SERVICES, add_servicer, warm_messages
 
 log = logging.getLogger(__name__)
+DRAIN_POLL_S = 0.05  # how often a stopping service looks whether its calls have finished
 
 
 def public_options(config: ServiceConfig) -> list[tuple[str, int]]:
@@ -148,8 +149,21 @@ class Service:
         self.serving = False
         await self.health.enter_graceful_shutdown()
         await self.admin.stop(0)
-        await self.public.stop(grace)
+        await self._drain(grace)
         if self.load_task is not None and not self.load_task.done():
             self.load_task.cancel()
         self.engine.close()
         self.metrics.close()
+
+    async def _drain(self, grace: float) -> None:
+        """Refuse new calls, let the calls in flight finish (up to ``grace`` s), then close.
+
+        Only the service's own calls are waited for: a health Watch stream (a client
+        following the status) never ends by itself and would hold the process for the
+        whole grace period; it is cancelled once the last Embed/Generate has answered."""
+        stopping = asyncio.create_task(self.public.stop(grace))
+        deadline = asyncio.get_running_loop().time() + grace
+        while self.metrics.calls_in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        await self.public.stop(0)
+        await stopping

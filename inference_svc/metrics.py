@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
@@ -176,11 +176,25 @@ class Metrics:
             ["model", "direction"],
             registry=r,
         )
+        self.in_flight = Gauge(
+            "inference_requests_in_flight",
+            "RPCs begun and not yet answered, by method",
+            ["rpc"],
+            registry=r,
+        )
+        self.calls_in_flight = 0  # all methods: what a stopping service waits for
         r.register(EngineCollector(engine, serving, version))
         self._server: object | None = None
         self.port = 0
 
+    def begin_call(self, rpc: str) -> None:
+        self.calls_in_flight += 1
+        self.in_flight.labels(rpc).inc()
+
     def observe_call(self, rpc: str, code: str, seconds: float) -> None:
+        """A call answered with ``code`` (it was begun with ``begin_call``)."""
+        self.calls_in_flight -= 1
+        self.in_flight.labels(rpc).dec()
         self.requests.labels(rpc, code).inc()
         self.latency.labels(rpc).observe(seconds)
 

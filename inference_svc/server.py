@@ -68,6 +68,7 @@ async def answering(
 ) -> AsyncIterator[None]:
     """Map errors to status codes, and count and time the call under its final code."""
     start, code = time.perf_counter(), "OK"
+    metrics.begin_call(rpc)
     try:
         yield
     except asyncio.CancelledError:
