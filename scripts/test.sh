@@ -17,4 +17,11 @@ if [[ ${1:-} == --fast ]]; then
     shift
     set -- -m "(unit or rpc) and not slow" "$@"
 fi
+# One test module per worker at a time (module fixtures stay in one process); as many workers
+# as CPUs, at most 4, TEST_WORKERS to choose (TEST_WORKERS=0: all in this process).
+cpus=$(nproc)
+workers=${TEST_WORKERS:-$((cpus < 4 ? cpus : 4))}
+if [[ $workers -gt 0 ]]; then
+    set -- -n "$workers" --dist loadfile "$@"
+fi
 exec .venv/bin/pytest -ra "$@"
