@@ -161,9 +161,16 @@ class Service:
         Only the service's own calls are waited for: a health Watch stream (a client
         following the status) never ends by itself and would hold the process for the
         whole grace period; it is cancelled once the last Embed/Generate has answered."""
+        if grace <= 0 or self.metrics.calls_in_flight == 0:
+            await self.public.stop(0)
+            return
         stopping = asyncio.create_task(self.public.stop(grace))
-        deadline = asyncio.get_running_loop().time() + grace
-        while self.metrics.calls_in_flight > 0 and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self.metrics.calls_in_flight > 0 and loop.time() < deadline:
+            if stopping.done():
+                break
             await asyncio.sleep(DRAIN_POLL_S)
-        await self.public.stop(0)
+        if not stopping.done():
+            await self.public.stop(0)
         await stopping
