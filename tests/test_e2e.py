@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness.procs import ServiceProc, free_port, health_status, sidecar, wait_serving
+from harness.procs import ServiceProc, free_ports, health_status, sidecar, wait_serving
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
@@ -156,7 +156,7 @@ def test_restart_in_the_middle_of_warmup(tmp_path: Path, tiny_embed_dir, tiny_lm
     health never says SERVING for a process that has not run its steps."""
     from tests.conftest import tiny_args
 
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
     args += ["--port", str(port), "--admin-port", str(admin_port)]
     procs = [ServiceProc(tmp_path, args, name="svc0")]

@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness.procs import ServiceProc, free_port, sidecar, wait_serving
+from harness.procs import ServiceProc, free_ports, sidecar, wait_serving
 from inference_api import convert
 from inference_api.plan import StepKind
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
@@ -79,7 +79,7 @@ class Watcher(threading.Thread):
 def test_kills_at_random_moments_never_serve_a_cold_process(
     tmp_path: Path, tiny_embed_dir, tiny_lm_dir
 ) -> None:
-    port, admin_port = free_port(), free_port()
+    port, admin_port = free_ports(2)
     args = [*tiny_args(tiny_embed_dir, tiny_lm_dir), "--port", str(port)]
     args += ["--admin-port", str(admin_port)]  # the later flags win: fixed ports
     rng = random.Random(20261203)
