@@ -2,7 +2,9 @@
 
 Paths (each warmed separately, see inference_api.plan.sampler_paths):
 - greedy: argmax of the raw logits;
-- random, unseeded: temperature / top-k / top-p, then the exponential race
+- random, unseeded: temperature / top-k / top-p (temperature only when no row of the
+  batch limits top-k or top-p: the sort over the vocabulary is most of a sampled step's
+  cost), then the exponential race
   ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn for the whole batch at once
   from the global generator;
 - random, seeded: the same race, but each seeded row draws its ``q`` from its
@@ -41,11 +43,16 @@ class SamplingMetadata:
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     # Rows that sample (temperature > 0); None: read them off ``temperature``.
     random_rows: tuple[int, ...] | None = None
+    # Whether any row limits top-k or top-p; None: read it off ``top_k`` and ``top_p``.
+    filters: bool | None = None
 
     def __post_init__(self) -> None:
         if self.random_rows is None:
             rows = tuple(i for i, t in enumerate(self.temperature.tolist()) if t > 0)
             object.__setattr__(self, "random_rows", rows)
+        if self.filters is None:
+            limited = bool((self.top_k > 0).any()) or bool((self.top_p < 1.0).any())
+            object.__setattr__(self, "filters", limited)
 
     @property
     def all_greedy(self) -> bool:
@@ -64,8 +71,16 @@ def greedy_tokens(logits: Tensor) -> Tensor:
     return logits.argmax(dim=-1)
 
 
+def scaled_logits(logits: Tensor, temperature: Tensor) -> Tensor:
+    """Temperature only: what ``processed_logits`` gives, bit for bit, when no row limits
+    top-k or top-p (no sort of the vocabulary)."""
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    return logits / t[:, None]
+
+
 def processed_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
-    """Temperature, then top-k, then top-p; masked tokens get -inf."""
+    """Temperature, then top-k, then top-p; masked tokens get -inf. A row with top_p 1
+    keeps every token (a cumulative sum that rounds to 1 before the tail drops nothing)."""
     vocab = logits.shape[-1]
     t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     x = logits / t[:, None]
@@ -75,7 +90,7 @@ def processed_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     sorted_x = sorted_x.masked_fill(ranks >= k[:, None], float("-inf"))
     probs = sorted_x.softmax(dim=-1)
     # Drop a token once the mass before it already reaches top_p (the first stays).
-    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+    drop_sorted = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop_sorted |= ranks >= k[:, None]
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return x.masked_fill(drop, float("-inf"))
@@ -99,6 +114,7 @@ class Sampler:
         self.monitor = monitor
         self._greedy = compile_fn(greedy_tokens, mode)
         self._process = compile_fn(processed_logits, mode)
+        self._scale = compile_fn(scaled_logits, mode)
         self._race = compile_fn(exponential_race, mode)
         self._logprobs = compile_fn(top_logprobs, mode)
 
@@ -112,7 +128,10 @@ class Sampler:
         if not md.all_greedy:
             site = "sampler/seeded" if md.generators else "sampler/random"
             with ctx(self.model, site, shapes):
-                processed = self._process(logits, md.temperature, md.top_k, md.top_p)
+                if md.filters:
+                    processed = self._process(logits, md.temperature, md.top_k, md.top_p)
+                else:
+                    processed = self._scale(logits, md.temperature)
                 sampled = self._race(processed, self._noise(processed, md))
             tokens = torch.where(md.temperature > 0, sampled, greedy)
         if md.num_logprobs <= 0:

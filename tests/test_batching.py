@@ -148,7 +148,8 @@ async def mixed_arrivals(
 
     async def one(i: int) -> None:
         await asyncio.sleep(rng.random() * 0.5)
-        kind = rng.choice([{}, {"temperature": 0.7}, {"temperature": 0.9, "logprobs": 3}])
+        kind = rng.choice([{}, {"temperature": 0.7}, {"temperature": 0.9, "logprobs": 3},
+                           {"temperature": 0.8, "top_p": 0.9}])  # fmt: skip
         seed = rng.choice([None, i])
         req = request(
             rng.randint(1, max_words), seed=seed, tokens=rng.randint(1, max_tokens), **kind

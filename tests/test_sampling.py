@@ -92,3 +92,31 @@ def test_unseeded_stream_ignores_padding_and_greedy_rows():
     torch.manual_seed(11)
     padded = [s(torch.cat([row, row]), md([1.0, 0.0])).tokens[0].item() for _ in range(6)]
     assert alone == padded
+
+
+def test_a_batch_without_top_k_or_top_p_skips_the_sort_and_samples_the_same_tokens():
+    """top_k 0 and top_p 1 on every row: temperature only (no sort of the vocabulary); the
+    tokens equal those of the full top-k/top-p path, so a seeded request gives the same tokens
+    whether or not a neighbour in its batch limits top-p. Peaked logits, where the cumulative
+    sum rounds to 1 before the tail: top_p 1 still keeps every token."""
+    from inference_svc.sampling import scaled_logits
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    logits[0, 5] = 60.0  # one token holds nearly all the mass
+    temps = torch.tensor([0.7, 1.0, 1.3, 0.0])
+    full = processed_logits(logits, temps, torch.zeros(4, dtype=torch.long), torch.ones(4))
+    assert torch.equal(full, scaled_logits(logits, temps))
+    assert not md([1.0, 1.0]).filters
+    assert md([1.0], top_p=0.9).filters and md([1.0], top_k=3).filters
+
+    def seeded() -> dict[int, torch.Generator]:
+        return {i: torch.Generator().manual_seed(i + 1) for i in range(3)}
+
+    s = sampler()
+    fast = md([0.7, 1.0, 1.3, 0.0])
+    fast = SamplingMetadata(fast.temperature, fast.top_k, fast.top_p, seeded())
+    neighbour = torch.tensor([1.0, 1.0, 1.0, 0.5])  # the greedy row limits top-p
+    slow = SamplingMetadata(fast.temperature, fast.top_k, neighbour, seeded())
+    assert not fast.filters and slow.filters
+    assert s(logits, slow).tokens.tolist() == s(logits, fast).tokens.tolist()

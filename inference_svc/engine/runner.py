@@ -42,6 +42,7 @@ def sampling_metadata(
         generators=generators,
         num_logprobs=max((p.logprobs for p in real), default=0),
         logprobs_mode=mode,
+        filters=any(p.top_k > 0 or p.top_p < 1.0 for p in real),
     )
 
 

@@ -177,14 +177,14 @@ def compile_buckets(
     return timed(monitor, report, run)
 
 
-def _warm_params(path: SamplerPath, row: int) -> GenerateParams:
+def _warm_params(path: SamplerPath, row: int, filters: bool = True) -> GenerateParams:
     random = path is not SamplerPath.GREEDY and not (path is SamplerPath.LOGPROBS and row == 0)
     return GenerateParams(
         prompt="warmup",
         messages=(),
         temperature=0.8 if random else 0.0,
-        top_k=40 if row % 2 else 0,
-        top_p=0.9,
+        top_k=40 if row % 2 and filters else 0,
+        top_p=0.9 if filters else 1.0,
         seed=WARMUP_SEED + row if path in (SamplerPath.SEEDED, SamplerPath.LOGPROBS) else None,
         logprobs=MAX_LOGPROBS if path is SamplerPath.LOGPROBS else 0,
     )
@@ -208,12 +208,17 @@ def warm_sampler(
 
     def run() -> None:
         for path in paths:
-            for batch in batches:
-                params = [_warm_params(path, row) for row in range(batch)]
-                gens = {i: g for i, p in enumerate(params) if (g := request_generator(p, m.device))}
-                md = sampling_metadata(list(params), gens, m.device, mode)
-                sampler(random_logits(batch, vocab, gen, m.device), md)
+            # A batch that limits top-k/top-p sorts the vocabulary; one that does not only
+            # scales it: two graphs on every path that samples.
+            for filters in (True, False) if path is not SamplerPath.GREEDY else (True,):
+                for batch in batches:
+                    params = [_warm_params(path, row, filters) for row in range(batch)]
+                    gens = {
+                        i: g for i, p in enumerate(params) if (g := request_generator(p, m.device))
+                    }
+                    md = sampling_metadata(list(params), gens, m.device, mode)
+                    sampler(random_logits(batch, vocab, gen, m.device), md)
             report.sampler_paths.append(path)
-        report.detail = f"{len(paths)} paths x batch {list(batches)}"
+        report.detail = f"{len(paths)} paths (with and without top-k/top-p) x batch {list(batches)}"
 
     return timed(monitor, report, run)
