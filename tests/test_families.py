@@ -38,6 +38,11 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norm; wide heads
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 4096}),
+    # windows shorter than the 40-token prompt: every layer (Mistral), the second only (Qwen2)
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True,
+                                                         "sliding_window": 12,
+                                                         "max_window_layers": 1}),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": YARN_ROPE}),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
@@ -131,8 +136,6 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
 @pytest.mark.parametrize(
     ("family", "extra", "message"),
     [
-        ("qwen2", {"use_sliding_window": True, "sliding_window": 32}, "sliding window of 32"),
-        ("mistral", {"sliding_window": 64}, "sliding window of 64"),
         (
             "llama3-rope",
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
@@ -163,14 +166,15 @@ def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, t
 async def test_a_qwen2_service_compiled_serves_eagers_tokens_with_no_late_compile(
     tokenizer, tmp_path
 ) -> None:
-    """The whole service on a tiny Qwen2: the warmup plan covers it (0 compile events after
+    """The whole service on a tiny Qwen2 with a sliding window on one layer, shorter than its
+    sequences: the warmup plan covers it (0 compile events after
     SERVING under random arrivals, only Describe's shapes) and compiled greedy and seeded
     tokens equal eager ones."""
     from inference_api.stubs.inference.v1 import inference_pb2 as pb
     from tests.rpc import serving
     from tests.test_compiled_tiny import random_arrivals_compile_nothing
 
-    directory = build(tmp_path / "qwen2", "qwen2", tokenizer)
+    directory = build(tmp_path / "qwen2", "qwen2-window", tokenizer)  # a 12-token window
     args = ["--port", "0", "--admin-port", "0", "--embed-model", "none", "--lm-model",
             str(directory), "--max-input-tokens", "32", "--max-new-tokens", "16"]  # fmt: skip
     reqs = [

@@ -237,12 +237,6 @@ def load_generative(
     is why --lm-weights auto chose it, "" when it was named)."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     shape = LlamaShape.from_hf(config)  # ValueError for an architecture not supported
-    if shape.sliding_window is not None and limits.max_seq_len > shape.sliding_window:
-        raise ValueError(
-            f"the model attends to a sliding window of {shape.sliding_window} tokens, shorter "
-            f"than max input + max new tokens = {limits.max_seq_len}: full attention differs "
-            "past it (not supported); lower --max-input-tokens/--max-new-tokens"
-        )
     if limits.max_seq_len > shape.max_positions:
         raise ValueError(
             f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "

@@ -43,10 +43,11 @@ class LlamaShape:
     o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
     mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
     qk_norm: bool = False  # an RMSNorm over each head of q and k before rope (Qwen3)
-    # Attention limited to the last N positions (Mistral, Qwen with use_sliding_window). The
-    # service runs full attention, the same while no sequence is longer than N: the loader
-    # refuses a max input + max new tokens above it.
+    # Attention limited to the last N positions (Mistral; Qwen with use_sliding_window) on
+    # the layers ``sliding_layers`` marks (the config's layer_types; every layer without
+    # them). A mask over the static cache: the same graphs, the whole cache kept.
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
 
     @classmethod
     def from_hf(cls, config: object) -> LlamaShape:
@@ -62,6 +63,9 @@ class LlamaShape:
         window = getattr(c, "sliding_window", None)
         if family.startswith("qwen") and not getattr(c, "use_sliding_window", False):
             window = None  # Qwen configs carry a window that applies only when turned on
+        if family not in ("mistral", "qwen2", "qwen3"):
+            window = None
+        sliding = _sliding_layers(c, window)
         inv_freq, scale = _rope_frequencies(c)
         heads = c.num_attention_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
@@ -82,12 +86,25 @@ class LlamaShape:
             o_bias=attention_bias,
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
             qk_norm=family == "qwen3",
-            sliding_window=window if family in ("mistral", "qwen2", "qwen3") else None,
+            sliding_window=window if any(sliding) else None,
+            sliding_layers=sliding if any(sliding) else (),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:
+    """Which layers attend to the last ``window`` positions only: the config's layer_types
+    where it has them, else all (Mistral)."""
+    n = config.num_hidden_layers
+    if window is None:
+        return (False,) * n
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(t == "sliding_attention" for t in types)
+    return (True,) * n
 
 
 def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
@@ -213,6 +230,8 @@ class LlamaLM(nn.Module):
         self.model = Backbone(s)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+        # Per layer, which of ``_masks``' masks it uses: 1 = the sliding window's.
+        self._local = tuple(int(x) for x in s.sliding_layers) or (0,) * s.num_layers
 
     def _inv_freq(self) -> Tensor:
         return torch.tensor(self.shape.inv_freq, dtype=torch.float32)
@@ -245,6 +264,15 @@ class LlamaLM(nn.Module):
             cos, sin = cos * self.shape.rope_scale, sin * self.shape.rope_scale
         return cos.to(dtype), sin.to(dtype)
 
+    def _masks(self, slots: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """Causal mask of each query position over the cache slots; with a sliding window,
+        a second one that also hides the slots ``window`` or more positions back."""
+        causal = slots <= positions
+        window = self.shape.sliding_window
+        if window is None:
+            return (causal,)
+        return causal, causal & (slots > positions - window)
+
     def _mlp_block(self, layer: DecoderLayer, h: Tensor, attn: Tensor) -> Tensor:
         h = h + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -273,7 +301,8 @@ class LlamaLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         n = slots.shape[0]
-        mask = (slots[None, :] <= positions[0, :, None])[None, None]  # [1, 1, C, L]
+        masks = self._masks(slots[None, :], positions[0, :, None])
+        masks = tuple(m[None, None] for m in masks)  # [1, 1, C, L]
         where = positions[0]
         rows = row.expand(where.shape[0])
         for i, layer in enumerate(self.model.layers):
@@ -284,6 +313,7 @@ class LlamaLM(nn.Module):
             values[rows, :, where] = v[0].transpose(0, 1)
             seen_k = keys[:, :, :n].index_select(0, row)  # [1, kv_heads, L, head_dim]
             seen_v = values[:, :, :n].index_select(0, row)
+            mask = masks[self._local[i]]
             h = self._mlp_block(layer, h, attn.attend(q, seen_k, seen_v, mask))
         return self._logits(h[0, last])
 
@@ -308,8 +338,8 @@ class LlamaLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         b, n = input_ids.shape[0], slots.shape[0]
-        mask = (slots[None, :] <= positions)[:, None, None, :]  # [B, 1, 1, L]
-        rows = torch.arange(b, device=h.device)
+        masks = tuple(m[:, None, None, :] for m in self._masks(slots[None, :], positions))
+        rows = torch.arange(b, device=h.device)  # masks: [B, 1, 1, L]
         where = positions[:, 0]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
@@ -317,6 +347,6 @@ class LlamaLM(nn.Module):
             keys, values = k_cache[i], v_cache[i]
             keys[rows, :, where] = k[:, :, 0]
             values[rows, :, where] = v[:, :, 0]
-            out = attn.attend_one(q, keys[:b, :, :n], values[:b, :, :n], mask)
+            out = attn.attend_one(q, keys[:b, :, :n], values[:b, :, :n], masks[self._local[i]])
             h = self._mlp_block(layer, h, out)
         return self._logits(h[:, -1])
