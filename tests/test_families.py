@@ -34,6 +34,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
              "rope_theta": 10000.0}  # fmt: skip
 DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+# Phi-3.5/Phi-4-mini style: rope on 3/4 of each 16-wide head (6 frequencies), long context by
+# longrope; its short factor holds up to 128 positions, more than LIMITS' 120.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+            "original_max_position_embeddings": 128}  # fmt: skip
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norm; wide heads
@@ -45,6 +51,11 @@ FAMILIES = {
                                                          "max_window_layers": 1}),
     "llama3-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
     "yarn-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": YARN_ROPE}),
+    "dynamic-rope": ("LlamaConfig", "LlamaForCausalLM", {"rope_parameters": DYNAMIC_ROPE}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused qkv and gate/up projections
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {"rope_parameters": LONGROPE,
+                                                        "original_max_position_embeddings": 128,
+                                                        "sliding_window": None}),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
                                                          "mlp_bias": True}),
 }  # fmt: skip
@@ -137,9 +148,12 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
     ("family", "extra", "message"),
     [
         (
-            "llama3-rope",
-            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
-            "rope type 'dynamic'",
+            "phi3-longrope",
+            {
+                "rope_parameters": {**LONGROPE, "original_max_position_embeddings": 64},
+                "original_max_position_embeddings": 64,
+            },
+            r"rope type 'longrope' keeps fixed frequencies up to 64 positions",
         ),
     ],
 )
@@ -154,11 +168,12 @@ def test_what_is_not_supported_is_refused_at_load_by_name(
 def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, tmp_path) -> None:
     import transformers
 
-    config = transformers.Phi3Config(vocab_size=len(tokenizer), **COMMON)
+    config = transformers.Gemma2Config(vocab_size=len(tokenizer), **COMMON)
     torch.manual_seed(0)
-    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"'phi3' is not supported .*llama, mistral, qwen2, qwen3"):
+    supported = r"'gemma2' is not supported .*llama, mistral, phi3, qwen2, qwen3"
+    with pytest.raises(ValueError, match=supported):
         ours(tmp_path)
 
 

@@ -237,6 +237,13 @@ def load_generative(
     is why --lm-weights auto chose it, "" when it was named)."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     shape = LlamaShape.from_hf(config)  # ValueError for an architecture not supported
+    if shape.rope_limit is not None and limits.max_seq_len > shape.rope_limit:
+        raise ValueError(
+            f"rope type 'longrope' keeps fixed frequencies up to {shape.rope_limit} positions "
+            f"(original_max_position_embeddings); max input + max new tokens = "
+            f"{limits.max_seq_len} would switch to its long factor mid-sequence (not supported "
+            "with a static cache): lower --max-input-tokens/--max-new-tokens"
+        )
     if limits.max_seq_len > shape.max_positions:
         raise ValueError(
             f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "

@@ -19,10 +19,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 # The architectures Generate serves: Llama's decoder, and what each family changes in it.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# Rotary embeddings whose frequencies do not depend on the sequence length (a static cache and
-# compiled graphs need fixed ones); "dynamic" and "longrope" change with the length.
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
+# Rotary embeddings; a static cache and compiled graphs need frequencies that do not change
+# with the sequence length: "dynamic" keeps its own up to max_position_embeddings (the loader's
+# limit anyway), "longrope" its short factor up to original_max_position_embeddings (the
+# loader refuses a longer max sequence, see LlamaShape.rope_limit).
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# Families whose sliding_window applies (Qwen's only with use_sliding_window).
+WINDOWED = ("mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class LlamaShape:
     # them). A mask over the static cache: the same graphs, the whole cache kept.
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
+    # The longest sequence whose rotary frequencies are the ones above (longrope switches to
+    # its long factor past original_max_position_embeddings); None: any.
+    rope_limit: int | None = None
 
     @classmethod
     def from_hf(cls, config: object) -> LlamaShape:
@@ -63,7 +70,7 @@ class LlamaShape:
         window = getattr(c, "sliding_window", None)
         if family.startswith("qwen") and not getattr(c, "use_sliding_window", False):
             window = None  # Qwen configs carry a window that applies only when turned on
-        if family not in ("mistral", "qwen2", "qwen3"):
+        if family not in WINDOWED:
             window = None
         sliding = _sliding_layers(c, window)
         inv_freq, scale = _rope_frequencies(c)
@@ -88,6 +95,7 @@ class LlamaShape:
             qk_norm=family == "qwen3",
             sliding_window=window if any(sliding) else None,
             sliding_layers=sliding if any(sliding) else (),
+            rope_limit=_rope_limit(c),
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -107,12 +115,24 @@ def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:
     return (True,) * n
 
 
+def _rope_params(config: object) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _rope_limit(config: object) -> int | None:
+    rope = _rope_params(config)
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    original = rope.get("original_max_position_embeddings")
+    return int(original or getattr(config, "original_max_position_embeddings", 0) or 0) or None
+
+
 def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
     """The rotary frequencies and cos/sin scale of ``config``'s rope type, computed by
     transformers' own rope functions (the reference the parity tests compare with)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope = _rope_params(config)
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind not in SUPPORTED_ROPE:
         raise ValueError(
@@ -123,6 +143,8 @@ def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
         theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
         heads = config.num_attention_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        part = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        d = int(d * part)
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return tuple(inv.tolist()), 1.0
     inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
@@ -218,7 +240,32 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    return x * cos + _rotate_half(x) * sin
+    """Rotary embedding of the first ``cos.shape[-1]`` features of each head (all of them,
+    or a part: Phi's partial_rotary_factor); the rest pass as they are."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot = x[..., :r]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., r:]), dim=-1)
+
+
+def split_fused(s: LlamaShape, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Phi-3's fused projections as the shared decoder's own: ``qkv_proj`` into q/k/v (rows
+    in that order) and ``gate_up_proj`` into gate and up (gate first, as Phi3MLP chunks it)."""
+    out = {}
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    for name, t in state.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name.removesuffix("qkv_proj.weight")
+            parts = t.split([q, kv, kv], dim=0)
+            out.update({f"{base}{p}_proj.weight": w for p, w in zip("qkv", parts, strict=True)})
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name.removesuffix("gate_up_proj.weight")
+            gate, up = t.chunk(2, dim=0)
+            out.update({f"{base}gate_proj.weight": gate, f"{base}up_proj.weight": up})
+        else:
+            out[name] = t
+    return out
 
 
 class LlamaLM(nn.Module):
@@ -244,6 +291,7 @@ class LlamaLM(nn.Module):
         about half of a 135M model's load time on a small CPU)."""
         with torch.device("meta"):
             lm = cls(s)
+        state = split_fused(s, state)
         missing, unexpected = lm.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise ValueError(f"weights do not fit: unexpected {unexpected[:5]}")
