@@ -56,6 +56,13 @@ FAMILIES = {
     "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", {"rope_parameters": LONGROPE,
                                                         "original_max_position_embeddings": 128,
                                                         "sliding_window": None}),
+    # local (8-token window) then global layers, sandwich norms, (1 + w) norms, a GELU gate,
+    # an attention scale of 24**-0.5 (not head_dim's), scores and logits capped hard enough
+    # to matter on a tiny model's small values
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 24,
+                                                     "sliding_window": 8,
+                                                     "attn_logit_softcapping": 0.5,
+                                                     "final_logit_softcapping": 0.2}),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
                                                          "mlp_bias": True}),
 }  # fmt: skip
@@ -168,28 +175,30 @@ def test_what_is_not_supported_is_refused_at_load_by_name(
 def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, tmp_path) -> None:
     import transformers
 
-    config = transformers.Gemma2Config(vocab_size=len(tokenizer), **COMMON)
+    config = transformers.Gemma3TextConfig(vocab_size=len(tokenizer), **COMMON, head_dim=16)
     torch.manual_seed(0)
-    transformers.Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    supported = r"'gemma2' is not supported .*llama, mistral, phi3, qwen2, qwen3"
+    supported = r"'gemma3_text' is not supported .*gemma2, llama, mistral, phi3, qwen2, qwen3"
     with pytest.raises(ValueError, match=supported):
         ours(tmp_path)
 
 
 @pytest.mark.timeout(900)
-async def test_a_qwen2_service_compiled_serves_eagers_tokens_with_no_late_compile(
-    tokenizer, tmp_path
+@pytest.mark.parametrize("family", ["qwen2-window", "gemma2"])
+async def test_a_service_compiled_serves_eagers_tokens_with_no_late_compile(
+    family, tokenizer, tmp_path
 ) -> None:
-    """The whole service on a tiny Qwen2 with a sliding window on one layer, shorter than its
-    sequences: the warmup plan covers it (0 compile events after
+    """The whole service on a tiny Qwen2 with a sliding window on one layer, and on a tiny
+    Gemma 2 (soft-capping, sandwich norms), windows shorter than their sequences: the warmup
+    plan covers it (0 compile events after
     SERVING under random arrivals, only Describe's shapes) and compiled greedy and seeded
     tokens equal eager ones."""
     from inference_api.stubs.inference.v1 import inference_pb2 as pb
     from tests.rpc import serving
     from tests.test_compiled_tiny import random_arrivals_compile_nothing
 
-    directory = build(tmp_path / "qwen2", "qwen2-window", tokenizer)  # a 12-token window
+    directory = build(tmp_path / family, family, tokenizer)  # windows of 12 and 8 tokens
     args = ["--port", "0", "--admin-port", "0", "--embed-model", "none", "--lm-model",
             str(directory), "--max-input-tokens", "32", "--max-new-tokens", "16"]  # fmt: skip
     reqs = [

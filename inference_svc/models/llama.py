@@ -12,156 +12,38 @@ so a ``LlamaForCausalLM`` state dict loads as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# The architectures Generate serves: Llama's decoder, and what each family changes in it.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "phi3", "qwen2", "qwen3")
-# Rotary embeddings; a static cache and compiled graphs need frequencies that do not change
-# with the sequence length: "dynamic" keeps its own up to max_position_embeddings (the loader's
-# limit anyway), "longrope" its short factor up to original_max_position_embeddings (the
-# loader refuses a longer max sequence, see LlamaShape.rope_limit).
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
-# Families whose sliding_window applies (Qwen's only with use_sliding_window).
-WINDOWED = ("mistral", "phi3", "qwen2", "qwen3")
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_eps: float
-    inv_freq: tuple[float, ...]  # the rotary frequencies, from the config's rope type
-    tie_embeddings: bool
-    max_positions: int
-    rope_scale: float = 1.0  # cos/sin scaling some rope types apply (yarn)
-    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
-    o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
-    mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
-    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope (Qwen3)
-    # Attention limited to the last N positions (Mistral; Qwen with use_sliding_window) on
-    # the layers ``sliding_layers`` marks (the config's layer_types; every layer without
-    # them). A mask over the static cache: the same graphs, the whole cache kept.
-    sliding_window: int | None = None
-    sliding_layers: tuple[bool, ...] = ()
-    # The longest sequence whose rotary frequencies are the ones above (longrope switches to
-    # its long factor past original_max_position_embeddings); None: any.
-    rope_limit: int | None = None
-
-    @classmethod
-    def from_hf(cls, config: object) -> LlamaShape:
-        """Read a transformers config of a supported architecture; ValueError names what is
-        not supported (before any weight is read into the model)."""
-        c = config
-        family = getattr(c, "model_type", "llama")
-        if family not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"model type {family!r} is not supported for Generate "
-                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
-        window = getattr(c, "sliding_window", None)
-        if family.startswith("qwen") and not getattr(c, "use_sliding_window", False):
-            window = None  # Qwen configs carry a window that applies only when turned on
-        if family not in WINDOWED:
-            window = None
-        sliding = _sliding_layers(c, window)
-        inv_freq, scale = _rope_frequencies(c)
-        heads = c.num_attention_heads
-        attention_bias = bool(getattr(c, "attention_bias", False))
-        return cls(
-            vocab_size=c.vocab_size,
-            hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
-            num_layers=c.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            rms_eps=c.rms_norm_eps,
-            inv_freq=inv_freq,
-            tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-            max_positions=c.max_position_embeddings,
-            rope_scale=scale,
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=attention_bias,
-            mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=window if any(sliding) else None,
-            sliding_layers=sliding if any(sliding) else (),
-            rope_limit=_rope_limit(c),
-        )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-
-def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:
-    """Which layers attend to the last ``window`` positions only: the config's layer_types
-    where it has them, else all (Mistral)."""
-    n = config.num_hidden_layers
-    if window is None:
-        return (False,) * n
-    types = getattr(config, "layer_types", None)
-    if types:
-        return tuple(t == "sliding_attention" for t in types)
-    return (True,) * n
-
-
-def _rope_params(config: object) -> dict:
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-
-
-def _rope_limit(config: object) -> int | None:
-    rope = _rope_params(config)
-    if rope.get("rope_type", rope.get("type")) != "longrope":
-        return None
-    original = rope.get("original_max_position_embeddings")
-    return int(original or getattr(config, "original_max_position_embeddings", 0) or 0) or None
-
-
-def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
-    """The rotary frequencies and cos/sin scale of ``config``'s rope type, computed by
-    transformers' own rope functions (the reference the parity tests compare with)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope = _rope_params(config)
-    kind = rope.get("rope_type", rope.get("type")) or "default"
-    if kind not in SUPPORTED_ROPE:
-        raise ValueError(
-            f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)}: "
-            "frequencies that do not change with the sequence length)"
-        )
-    if kind == "default":
-        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        heads = config.num_attention_heads
-        d = getattr(config, "head_dim", None) or config.hidden_size // heads
-        part = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-        d = int(d * part)
-        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        return tuple(inv.tolist()), 1.0
-    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
-    return tuple(inv.float().tolist()), float(scale)
+from inference_svc.models.decoder_shape import LlamaShape
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
         self.eps = eps
+        self.offset = offset  # Gemma: scale by 1 + weight, in float32, then cast
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+
+def _softcapped(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, s: LlamaShape) -> Tensor:
+    """Attention with tanh-capped scores (Gemma 2: SDPA has no cap), in float32 softmax.
+    ``q`` [B, KV, Q, D] against ``k``/``v`` [B, KV, L, D], ``mask`` broadcast to the scores."""
+    scale = s.attn_scale if s.attn_scale is not None else s.head_dim**-0.5
+    cap = s.attn_softcap
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 class Attention(nn.Module):
@@ -173,8 +55,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.qkv_bias)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.o_bias)
         norm = s.qk_norm
-        self.q_norm = RMSNorm(s.head_dim, s.rms_eps) if norm else None
-        self.k_norm = RMSNorm(s.head_dim, s.rms_eps) if norm else None
+        self.q_norm = RMSNorm(s.head_dim, s.rms_eps, s.norm_offset) if norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_eps, s.norm_offset) if norm else None
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         b, n, _ = x.shape
@@ -188,8 +70,17 @@ class Attention(nn.Module):
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-        b, _, n, _ = q.shape
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        b, heads, n, d = q.shape
+        s = self.s
+        if s.attn_softcap is not None:  # the query heads of one KV head side by side
+            kv = k.shape[1]
+            grouped = q.reshape(b, kv, heads // kv * n, d)
+            m = mask.expand(b, 1, n, mask.shape[-1]).repeat(1, 1, heads // kv, 1)
+            out = _softcapped(grouped, k, v, m, s).reshape(b, heads, n, d)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, enable_gqa=True, scale=s.attn_scale
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
     def attend_one(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
@@ -202,7 +93,12 @@ class Attention(nn.Module):
         b, heads, _, d = q.shape
         kv = k.shape[1]
         grouped = q.reshape(b, kv, heads // kv, d)
-        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask)
+        if self.s.attn_softcap is not None:
+            out = _softcapped(grouped, k, v, mask, self.s)
+        else:
+            out = F.scaled_dot_product_attention(
+                grouped, k, v, attn_mask=mask, scale=self.s.attn_scale
+            )
         return self.o_proj(out.reshape(b, 1, heads * d))
 
 
@@ -213,17 +109,27 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=s.mlp_bias)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=s.mlp_bias)
 
+        self.gelu = s.activation == "gelu_tanh"
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g = self.gate_proj(x)
+        g = F.gelu(g, approximate="tanh") if self.gelu else F.silu(g)
+        return self.down_proj(g * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
+        norm = lambda: RMSNorm(s.hidden_size, s.rms_eps, s.norm_offset)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(s)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_eps)
+        # Llama: the norm before the MLP. Gemma 2 ("sandwich"): the norm of the attention's
+        # output, with a norm before and after the MLP beside it.
+        self.post_attention_layernorm = norm()
         self.mlp = MLP(s)
+        if s.sandwich_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
 
 class Backbone(nn.Module):
@@ -231,7 +137,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(s.vocab_size, s.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(s) for _ in range(s.num_layers))
-        self.norm = RMSNorm(s.hidden_size, s.rms_eps)
+        self.norm = RMSNorm(s.hidden_size, s.rms_eps, s.norm_offset)
 
 
 def _rotate_half(x: Tensor) -> Tensor:
@@ -322,11 +228,23 @@ class LlamaLM(nn.Module):
         return causal, causal & (slots > positions - window)
 
     def _mlp_block(self, layer: DecoderLayer, h: Tensor, attn: Tensor) -> Tensor:
+        if self.shape.sandwich_norms:
+            h = h + layer.post_attention_layernorm(attn)
+            mlp = layer.mlp(layer.pre_feedforward_layernorm(h))
+            return h + layer.post_feedforward_layernorm(mlp)
         h = h + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        h = self.model.embed_tokens(input_ids)
+        if self.shape.embed_scale is not None:  # Gemma: sqrt(hidden), in the weights' dtype
+            h = h * torch.tensor(self.shape.embed_scale, dtype=h.dtype)
+        return h
+
     def _logits(self, h: Tensor) -> Tensor:
-        return self.lm_head(self.model.norm(h)).float()
+        logits = self.lm_head(self.model.norm(h)).float()
+        cap = self.shape.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def prefill(
         self,
@@ -346,7 +264,7 @@ class LlamaLM(nn.Module):
         chunk's keys are written there in place, and its queries attend to the row's first
         ``L = len(slots)`` slots, each up to its own position (earlier chunks included).
         """
-        h = self.model.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         n = slots.shape[0]
         masks = self._masks(slots[None, :], positions[0, :, None])
@@ -383,7 +301,7 @@ class LlamaLM(nn.Module):
         place (an in-place write into a view input is functionalised into a copy of the
         whole view, every layer, every step).
         """
-        h = self.model.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         b, n = input_ids.shape[0], slots.shape[0]
         masks = tuple(m[:, None, None, :] for m in self._masks(slots[None, :], positions))

@@ -1,0 +1,168 @@
+"""What a transformers config declares about a decoder: the shape the shared decoder
+(models/llama.py) is built from, with each family's differences, and its rotary frequencies.
+Anything not supported is refused here, by name, before a weight is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# The architectures Generate serves: Llama's decoder, and what each family changes in it.
+SUPPORTED_ARCHITECTURES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3")
+# Rotary embeddings; a static cache and compiled graphs need frequencies that do not change
+# with the sequence length: "dynamic" keeps its own up to max_position_embeddings (the loader's
+# limit anyway), "longrope" its short factor up to original_max_position_embeddings (the
+# loader refuses a longer max sequence, see LlamaShape.rope_limit).
+SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# The MLP gates: transformers' activation names, and ours.
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Families whose sliding_window applies (Qwen's only with use_sliding_window).
+WINDOWED = ("gemma2", "mistral", "phi3", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    inv_freq: tuple[float, ...]  # the rotary frequencies, from the config's rope type
+    tie_embeddings: bool
+    max_positions: int
+    rope_scale: float = 1.0  # cos/sin scaling some rope types apply (yarn)
+    qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
+    mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
+    qk_norm: bool = False  # an RMSNorm over each head of q and k before rope (Qwen3)
+    # Attention limited to the last N positions (Mistral; Qwen with use_sliding_window) on
+    # the layers ``sliding_layers`` marks (the config's layer_types; every layer without
+    # them). A mask over the static cache: the same graphs, the whole cache kept.
+    sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] = ()
+    # The longest sequence whose rotary frequencies are the ones above (longrope switches to
+    # its long factor past original_max_position_embeddings); None: any.
+    rope_limit: int | None = None
+    # Gemma 2: RMSNorm scales by (1 + weight); token embeddings times sqrt(hidden); a norm
+    # after attention and around the MLP ("sandwich"); a tanh-approximated GELU gate; the
+    # attention scale from query_pre_attn_scalar; tanh soft-capping of the attention scores
+    # and of the final logits.
+    norm_offset: bool = False
+    embed_scale: float | None = None
+    sandwich_norms: bool = False
+    activation: str = "silu"  # or "gelu_tanh"
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+    @classmethod
+    def from_hf(cls, config: object) -> LlamaShape:
+        """Read a transformers config of a supported architecture; ValueError names what is
+        not supported (before any weight is read into the model)."""
+        c = config
+        family = getattr(c, "model_type", "llama")
+        if family not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"model type {family!r} is not supported for Generate "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        window = getattr(c, "sliding_window", None)
+        if family.startswith("qwen") and not getattr(c, "use_sliding_window", False):
+            window = None  # Qwen configs carry a window that applies only when turned on
+        if family not in WINDOWED:
+            window = None
+        sliding = _sliding_layers(c, window)
+        inv_freq, scale = _rope_frequencies(c)
+        heads = c.num_attention_heads
+        attention_bias = bool(getattr(c, "attention_bias", False))
+        gemma = family == "gemma2"
+        act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"activation {act!r} is not supported (supported: {list(ACTIVATIONS)})"
+            )
+        scalar = getattr(c, "query_pre_attn_scalar", None) if gemma else None
+        return cls(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_layers=c.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            rms_eps=c.rms_norm_eps,
+            inv_freq=inv_freq,
+            tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+            max_positions=c.max_position_embeddings,
+            rope_scale=scale,
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            qk_norm=family == "qwen3",
+            sliding_window=window if any(sliding) else None,
+            sliding_layers=sliding if any(sliding) else (),
+            rope_limit=_rope_limit(c),
+            norm_offset=gemma,
+            embed_scale=float(c.hidden_size) ** 0.5 if gemma else None,
+            sandwich_norms=gemma,
+            activation=ACTIVATIONS[act],
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            attn_softcap=getattr(c, "attn_logit_softcapping", None) if gemma else None,
+            final_softcap=getattr(c, "final_logit_softcapping", None) if gemma else None,
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:
+    """Which layers attend to the last ``window`` positions only: the config's layer_types
+    where it has them, else all (Mistral)."""
+    n = config.num_hidden_layers
+    if window is None:
+        return (False,) * n
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(t == "sliding_attention" for t in types)
+    return (True,) * n
+
+
+def _rope_params(config: object) -> dict:
+    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+
+
+def _rope_limit(config: object) -> int | None:
+    rope = _rope_params(config)
+    if rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    original = rope.get("original_max_position_embeddings")
+    return int(original or getattr(config, "original_max_position_embeddings", 0) or 0) or None
+
+
+def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
+    """The rotary frequencies and cos/sin scale of ``config``'s rope type, computed by
+    transformers' own rope functions (the reference the parity tests compare with)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = _rope_params(config)
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind not in SUPPORTED_ROPE:
+        raise ValueError(
+            f"rope type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)}: "
+            "frequencies that do not change with the sequence length)"
+        )
+    if kind == "default":
+        theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        heads = config.num_attention_heads
+        d = getattr(config, "head_dim", None) or config.hidden_size // heads
+        part = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        d = int(d * part)
+        inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        return tuple(inv.tolist()), 1.0
+    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    return tuple(inv.float().tolist()), float(scale)
