@@ -3,6 +3,7 @@ when it started and ended, its status, whether a stream had begun, and which rep
 (read from a reply header the balancer adds, when it adds one).
 
     load = Load("127.0.0.1:8080", clients=32)   # client i runs KINDS[i % 4], in a thread
+    Load(dns_target, options=channel_options())  # or balanced by the client itself
     load.start(); ...; load.stop()
     load.failed(t0, "Embed")                    # calls started since t0 that failed
 """
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -45,9 +47,13 @@ class Call:
 class Load(threading.Thread):
     """``clients`` closed-loop clients on one channel, in a thread of their own."""
 
-    def __init__(self, target: str, clients: int = 32) -> None:
+    def __init__(
+        self, target: str, clients: int = 32, options: Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        """``options``: the channel's arguments (client-side balancing needs
+        inference_api.channel's)."""
         super().__init__(daemon=True)
-        self.target, self.clients = target, clients
+        self.target, self.clients, self.options = target, clients, list(options)
         self.calls: list[Call] = []
         self.stopped = threading.Event()
 
@@ -55,7 +61,7 @@ class Load(threading.Thread):
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        async with grpc.aio.insecure_channel(self.target) as channel:
+        async with grpc.aio.insecure_channel(self.target, options=self.options) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             await asyncio.gather(*(self._client(stub, KINDS[i % 4]) for i in range(self.clients)))
 

@@ -133,6 +133,7 @@ class ServiceProc(Proc):
     started and listening; its log is ``log_dir/NAME.log``.
 
     ``program`` replaces the ``inference-svc`` command (e.g. a wrapper that runs its main).
+    ``host``: the address it was told to listen on (``--host`` among ARGS), for ``target``.
     """
 
     def __init__(
@@ -144,7 +145,9 @@ class ServiceProc(Proc):
         env: dict[str, str] | None = None,
         own_session: bool = False,
         listen_timeout: float = 300,
+        host: str = "127.0.0.1",
     ) -> None:
+        self.host = host
         self.port_file = log_dir / f"{name}.ports.json"
         self.port_file.unlink(missing_ok=True)
         argv = [*(program or [str(BIN / "inference-svc")]), "--port", "0", "--admin-port", "0",
@@ -162,7 +165,7 @@ class ServiceProc(Proc):
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def admin_target(self) -> str:
@@ -186,9 +189,9 @@ class ServiceProc(Proc):
         return stamps
 
 
-def health_status(port: int, name: str = HEALTH_NAME) -> int | None:
-    """grpc.health.v1 status of ``name`` on ``port``, or None when nothing answers."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+def health_status(port: int, name: str = HEALTH_NAME, host: str = "127.0.0.1") -> int | None:
+    """grpc.health.v1 status of ``name`` on ``host:port``, or None when nothing answers."""
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
         try:
             req = health_pb2.HealthCheckRequest(service=name)
             return health_pb2_grpc.HealthStub(channel).Check(req, timeout=5).status
@@ -201,7 +204,7 @@ def wait_serving(svc: ServiceProc, timeout: float, ctl: Proc | None = None) -> f
     exits first, when ``ctl`` (a sidecar) exits non-zero first, or after ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if health_status(svc.port) == SERVING:
+        if health_status(svc.port, host=svc.host) == SERVING:
             return time.monotonic() - svc.started
         if svc.exited() is not None:
             raise ProcError(f"service exited {svc.exited()}:\n{svc.tail()}")

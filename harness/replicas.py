@@ -102,10 +102,13 @@ class Replica:
         port: int,
         warm: bool = True,
         env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
     ) -> Replica:
-        """Listening (NOT_SERVING); with ``warm`` its sidecar starts too and warms it."""
-        extra = ["--port", str(port), "--metrics-port", "0", "--metrics-host", "127.0.0.1"]
-        svc = ServiceProc(log_dir, [*args, *extra], name=name, env=env)
+        """Listening (NOT_SERVING) on ``host:port``; with ``warm`` its sidecar starts too and
+        warms it. Replicas on 127.0.0.1, 127.0.0.2, ... can share one port (all loopback)."""
+        extra = ["--host", host, "--port", str(port), "--metrics-port", "0",
+                 "--metrics-host", "127.0.0.1"]  # fmt: skip
+        svc = ServiceProc(log_dir, [*args, *extra], name=name, env=env, host=host)
         rep = cls(name, svc, log_dir=log_dir)
         if warm:
             rep.start_sidecar()
@@ -119,12 +122,15 @@ class Replica:
         named_ports: Sequence[tuple[str, int]],
         warm: bool = True,
         env: dict[str, str] | None = None,
+        hosts: Sequence[str] = (),
     ) -> list[Replica]:
-        """Several at once (their imports and model loads overlap), each as ``start``."""
+        """Several at once (their imports and model loads overlap), each as ``start``; the
+        i-th on ``hosts[i]`` where given, else on 127.0.0.1."""
+        hosts = [*hosts, *["127.0.0.1"] * (len(named_ports) - len(hosts))]
         with ThreadPoolExecutor(len(named_ports)) as pool:
             futures = [
-                pool.submit(cls.start, log_dir, args, name, port, warm, env)
-                for name, port in named_ports
+                pool.submit(cls.start, log_dir, args, name, port, warm, env, host)
+                for (name, port), host in zip(named_ports, hosts, strict=True)
             ]
         started, errors = [], []
         for future in futures:
@@ -150,7 +156,7 @@ class Replica:
         return self.svc.target
 
     def serving(self) -> bool:
-        return health_status(self.port) == SERVING
+        return health_status(self.port, host=self.svc.host) == SERVING
 
     def wait_serving(self, timeout: float) -> float:
         return wait_serving(self.svc, timeout, ctl=self.ctl)
