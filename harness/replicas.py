@@ -71,15 +71,18 @@ def get(url: str, timeout: float = 5) -> str:
         return reply.read().decode()
 
 
-def requests_by_rpc(metrics_port: int, code: str | None = None) -> Counter[str]:
-    """inference_requests_total on a /metrics, per rpc, over every status code (or one)."""
+def requests_by_rpc(
+    metrics_port: int, code: str | None = None, metric: str = "inference_requests_total"
+) -> Counter[str]:
+    """inference_requests_total on a /metrics, per rpc, over every status code (or one);
+    or another per-rpc ``metric`` (inference_requests_in_flight)."""
     text = get(f"http://127.0.0.1:{metrics_port}/metrics")
     out: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name != "inference_requests_total" or s.labels["rpc"] not in PUBLIC_RPCS:
+            if s.name != metric or s.labels["rpc"] not in PUBLIC_RPCS:
                 continue
-            if code in (None, s.labels["code"]):
+            if code in (None, s.labels.get("code")):
                 out[s.labels["rpc"]] += int(s.value)
     return out
 
@@ -164,6 +167,11 @@ class Replica:
     def requests(self, code: str | None = None) -> Counter[str]:
         assert self.svc.metrics_port, "started without --metrics-port"
         return requests_by_rpc(self.svc.metrics_port, code)
+
+    def in_flight(self) -> Counter[str]:
+        """Its calls begun and not yet answered, per rpc (its /metrics)."""
+        assert self.svc.metrics_port, "started without --metrics-port"
+        return requests_by_rpc(self.svc.metrics_port, metric="inference_requests_in_flight")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         """The service first (``sig``), then its sidecar; the service's exit status."""
