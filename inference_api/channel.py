@@ -79,11 +79,13 @@ def service_config_json() -> str:
 def channel_options(*extra: tuple[str, Any]) -> list[tuple[str, Any]]:
     """Channel arguments for a client of the service: the service config (never replaced by
     one a DNS TXT record might carry), retries on, a ``dns:`` name resolved again at most
-    every DNS_MIN_RESOLUTION_INTERVAL_S. Later ``extra`` arguments override earlier ones."""
-    return [
-        ("grpc.service_config", service_config_json()),
-        ("grpc.service_config_disable_resolution", 1),
-        ("grpc.enable_retries", 1),
-        ("grpc.dns_min_time_between_resolutions_ms", DNS_MIN_RESOLUTION_INTERVAL_S * 1000),
-        *extra,
-    ]
+    every DNS_MIN_RESOLUTION_INTERVAL_S. An ``extra`` argument of the same name replaces
+    the default (gRPC itself keeps the first of two)."""
+    options: dict[str, Any] = {
+        "grpc.service_config": service_config_json(),
+        "grpc.service_config_disable_resolution": 1,
+        "grpc.enable_retries": 1,
+        "grpc.dns_min_time_between_resolutions_ms": DNS_MIN_RESOLUTION_INTERVAL_S * 1000,
+        **dict(extra),
+    }
+    return list(options.items())
