@@ -18,7 +18,7 @@ from inference_svc.engine.runner import GenerateRunner
 from inference_svc.limits import GenLimits
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.generative import load_generative
-from inference_svc.models.loading import load_hf_causal_lm, offline, resolve_lm_dir
+from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
 from inference_svc.sampling import Sampler
 
 pytestmark = pytest.mark.rpc
@@ -40,6 +40,11 @@ LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_fact
             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
             "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
             "original_max_position_embeddings": 128}  # fmt: skip
+GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 8,
+          "sliding_window_pattern": 2, "rope_local_base_freq": 100.0,
+          "rope_scaling": {"rope_type": "linear", "factor": 8.0}}  # fmt: skip
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+          "num_attention_heads": 2, "image_size": 28, "patch_size": 14}  # fmt: skip
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),  # q/k norm; wide heads
@@ -63,6 +68,12 @@ FAMILIES = {
                                                      "sliding_window": 8,
                                                      "attn_logit_softcapping": 0.5,
                                                      "final_logit_softcapping": 0.2}),
+    # Gemma 3: Gemma 2's layer with q/k norms and no attention cap; the local layers (window
+    # 8) rotate with their own base (100), the global ones with 1e6 scaled linearly by 8
+    # (the configs' old spelling: rope_scaling and rope_local_base_freq).
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", GEMMA3),
+    # the multimodal Gemma 3 (a tiny vision tower), served as its text model: text prompts
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", GEMMA3),
     "llama-biases": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": True,
                                                          "mlp_bias": True}),
 }  # fmt: skip
@@ -70,19 +81,28 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    offline()
-    _, tok = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
-    return tok
+    from transformers import AutoTokenizer
+
+    offline()  # the packaged SmolLM2's tokenizer (its model is not needed)
+    packaged = resolve_lm_dir("default")
+    return AutoTokenizer.from_pretrained(
+        str(packaged), gguf_file=gguf_file(packaged), local_files_only=True
+    )
 
 
 def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:
     import transformers
 
     config_cls, model_cls, options = FAMILIES[family]
-    config = getattr(transformers, config_cls)(
+    text_cls = "Gemma3TextConfig" if config_cls == "Gemma3Config" else config_cls
+    config = getattr(transformers, text_cls)(
         vocab_size=len(tokenizer), **COMMON, **{**options, **extra},
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
+    if config_cls == "Gemma3Config":  # the text model inside a multimodal one
+        config = transformers.Gemma3Config(
+            text_config=config.to_dict(), vision_config=VISION, mm_tokens_per_image=4
+        )
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config)
     with torch.no_grad():  # biases are zeros at init: make them count
@@ -162,6 +182,11 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
             },
             r"rope type 'longrope' keeps fixed frequencies up to 64 positions",
         ),
+        (
+            "gemma3_text",
+            {"use_bidirectional_attention": True},
+            r"use_bidirectional_attention \(gemma3_text: an embedding model's attention\)",
+        ),
     ],
 )
 def test_what_is_not_supported_is_refused_at_load_by_name(
@@ -175,13 +200,22 @@ def test_what_is_not_supported_is_refused_at_load_by_name(
 def test_an_unknown_architecture_names_itself_and_what_is_supported(tokenizer, tmp_path) -> None:
     import transformers
 
-    config = transformers.Gemma3TextConfig(vocab_size=len(tokenizer), **COMMON, head_dim=16)
+    config = transformers.PhiConfig(vocab_size=len(tokenizer), **COMMON)  # Phi-2
     torch.manual_seed(0)
-    transformers.Gemma3ForCausalLM(config).save_pretrained(tmp_path)
+    transformers.PhiForCausalLM(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    supported = r"'gemma3_text' is not supported .*gemma2, llama, mistral, phi3, qwen2, qwen3"
+    supported = r"'phi' is not supported .*gemma2, gemma3, gemma3_text, llama, mistral, phi3, qwen2"
     with pytest.raises(ValueError, match=supported):
         ours(tmp_path)
+
+
+def test_every_eos_id_of_the_generation_config_stops(tokenizer, tmp_path) -> None:
+    """Gemma 3 lists its end-of-turn token in generation_config.json only."""
+    from transformers import GenerationConfig
+
+    directory = build(tmp_path, "gemma3", tokenizer)
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, 106]).save_pretrained(directory)
+    assert {tokenizer.eos_token_id, 106} <= ours(directory).model.eos_ids
 
 
 @pytest.mark.timeout(900)

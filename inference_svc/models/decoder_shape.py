@@ -9,7 +9,11 @@ from dataclasses import dataclass
 import torch
 
 # The architectures Generate serves: Llama's decoder, and what each family changes in it.
-SUPPORTED_ARCHITECTURES = ("gemma2", "llama", "mistral", "phi3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = (
+    "gemma2", "gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3",
+)  # fmt: skip
+# Gemma's layer: (1 + w) norms, scaled embeddings, sandwich norms (Gemma 3 adds q/k norms).
+GEMMA = ("gemma2", "gemma3_text")
 # Rotary embeddings; a static cache and compiled graphs need frequencies that do not change
 # with the sequence length: "dynamic" keeps its own up to max_position_embeddings (the loader's
 # limit anyway), "longrope" its short factor up to original_max_position_embeddings (the
@@ -18,7 +22,7 @@ SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # The MLP gates: transformers' activation names, and ours.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Families whose sliding_window applies (Qwen's only with use_sliding_window).
-WINDOWED = ("gemma2", "mistral", "phi3", "qwen2", "qwen3")
+WINDOWED = ("gemma2", "gemma3_text", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,11 @@ class LlamaShape:
     tie_embeddings: bool
     max_positions: int
     rope_scale: float = 1.0  # cos/sin scaling some rope types apply (yarn)
+    # A second rope for the layers ``local_rope_layers`` marks (Gemma 3's sliding layers:
+    # another base, without the global layers' scaling); None: one rope for all.
+    local_inv_freq: tuple[float, ...] | None = None
+    local_rope_scale: float = 1.0
+    local_rope_layers: tuple[bool, ...] = ()
     qkv_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # the output projection carries one (Llama's attention_bias)
     mlp_bias: bool = False  # the MLP projections carry one (Llama's mlp_bias)
@@ -63,7 +72,7 @@ class LlamaShape:
     def from_hf(cls, config: object) -> LlamaShape:
         """Read a transformers config of a supported architecture; ValueError names what is
         not supported (before any weight is read into the model)."""
-        c = config
+        c = _text_config(config)
         family = getattr(c, "model_type", "llama")
         if family not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -76,10 +85,21 @@ class LlamaShape:
         if family not in WINDOWED:
             window = None
         sliding = _sliding_layers(c, window)
-        inv_freq, scale = _rope_frequencies(c)
+        if getattr(c, "use_bidirectional_attention", False):
+            raise ValueError(
+                f"use_bidirectional_attention ({family}: an embedding model's attention) is not "
+                "supported for Generate"
+            )
+        per_type = _per_layer_type_rope(c)
+        inv_freq, scale = _rope_frequencies(c, "full_attention" if per_type else None)
+        types = tuple(getattr(c, "layer_types", None) or ())
+        local = tuple(t == "sliding_attention" for t in types) if per_type else ()
+        local_freq, local_scale = (
+            _rope_frequencies(c, "sliding_attention") if any(local) else (None, 1.0)
+        )
         heads = c.num_attention_heads
         attention_bias = bool(getattr(c, "attention_bias", False))
-        gemma = family == "gemma2"
+        gemma = family in GEMMA
         act = getattr(c, "hidden_activation", None) or getattr(c, "hidden_act", "silu")
         if act not in ACTIVATIONS:
             raise ValueError(
@@ -99,10 +119,13 @@ class LlamaShape:
             tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             max_positions=c.max_position_embeddings,
             rope_scale=scale,
+            local_inv_freq=local_freq,
+            local_rope_scale=local_scale,
+            local_rope_layers=local if any(local) else (),
             qkv_bias=family == "qwen2" or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             sliding_window=window if any(sliding) else None,
             sliding_layers=sliding if any(sliding) else (),
             rope_limit=_rope_limit(c),
@@ -132,24 +155,35 @@ def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:
     return (True,) * n
 
 
-def _rope_params(config: object) -> dict:
-    return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+def _per_layer_type_rope(config: object) -> bool:
+    """Whether the rope parameters are given per layer type (Gemma 3 in transformers 5:
+    ``{"full_attention": {...}, "sliding_attention": {...}}``)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return isinstance(rope.get("full_attention"), dict)
+
+
+def _rope_params(config: object, layer_type: str | None = None) -> dict:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return rope[layer_type] if layer_type is not None else rope
 
 
 def _rope_limit(config: object) -> int | None:
-    rope = _rope_params(config)
+    rope = _rope_params(config, "full_attention" if _per_layer_type_rope(config) else None)
     if rope.get("rope_type", rope.get("type")) != "longrope":
         return None
     original = rope.get("original_max_position_embeddings")
     return int(original or getattr(config, "original_max_position_embeddings", 0) or 0) or None
 
 
-def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
-    """The rotary frequencies and cos/sin scale of ``config``'s rope type, computed by
-    transformers' own rope functions (the reference the parity tests compare with)."""
+def _rope_frequencies(
+    config: object, layer_type: str | None = None
+) -> tuple[tuple[float, ...], float]:
+    """The rotary frequencies and cos/sin scale of ``config``'s rope type (of the layers of
+    ``layer_type`` where the config gives one per type), computed by transformers' own rope
+    functions (the reference the parity tests compare with)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    rope = _rope_params(config)
+    rope = _rope_params(config, layer_type)
     kind = rope.get("rope_type", rope.get("type")) or "default"
     if kind not in SUPPORTED_ROPE:
         raise ValueError(
@@ -164,5 +198,30 @@ def _rope_frequencies(config: object) -> tuple[tuple[float, ...], float]:
         d = int(d * part)
         inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         return tuple(inv.tolist()), 1.0
-    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
+    by_type = {"layer_type": layer_type} if layer_type is not None else {}
+    inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"), **by_type)
     return tuple(inv.float().tolist()), float(scale)
+
+
+def text_decoder(
+    config: object, state: dict[str, torch.Tensor]
+) -> tuple[object, dict[str, torch.Tensor]]:
+    """A multimodal Gemma 3 (``gemma3``, which transformers loads as a causal LM): its text
+    model's config and weights (``model.language_model.*`` as ``model.*``, the LM head), the
+    vision tower and projector left out; text prompts only. Anything else as it is."""
+    if getattr(config, "model_type", None) != "gemma3":
+        return config, state
+    prefix = "model.language_model."
+    kept = {f"model.{k.removeprefix(prefix)}": v for k, v in state.items() if k.startswith(prefix)}
+    if "lm_head.weight" in state:
+        kept["lm_head.weight"] = state["lm_head.weight"]
+    return _text_config(config), kept
+
+
+def _text_config(config: object) -> object:
+    """Gemma 3's text config, tied as the whole model is."""
+    if getattr(config, "model_type", None) != "gemma3":
+        return config
+    text = config.get_text_config()
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+    return text

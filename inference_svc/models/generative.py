@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from inference_svc.compile_monitor import Origin
 from inference_svc.limits import GenLimits
 from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
+from inference_svc.models.decoder_shape import text_decoder
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts
 from inference_svc.models.weights import convert_linears, numerics
@@ -236,7 +238,8 @@ def load_generative(
     """The LM in ``directory``, its linears in ``weights`` (a concrete scheme; ``weights_why``
     is why --lm-weights auto chose it, "" when it was named)."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
-    shape = LlamaShape.from_hf(config)  # ValueError for an architecture not supported
+    text, state = text_decoder(config, state)  # Gemma 3's text model
+    shape = LlamaShape.from_hf(text)  # ValueError for an architecture not supported
     if shape.rope_limit is not None and limits.max_seq_len > shape.rope_limit:
         raise ValueError(
             f"rope type 'longrope' keeps fixed frequencies up to {shape.rope_limit} positions "
@@ -257,11 +260,24 @@ def load_generative(
     del state
     lm = lm.to(device=ctx.device, dtype=ctx.dtype).eval()
     convert_linears(lm, weights)
-    eos = {tokenizer.eos_token_id}
-    gen_eos = getattr(getattr(config, "eos_token_id", None), "__iter__", None)
-    if gen_eos is not None:
-        eos.update(config.eos_token_id)
-    elif config.eos_token_id is not None:
-        eos.add(config.eos_token_id)
-    eos.discard(None)
-    return GenerativeModel(ctx, lm, tokenizer, limits, frozenset(eos), weights, weights_why)
+    eos = _eos_ids(directory, (config, text), tokenizer)
+    return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why)
+
+
+def _eos_ids(directory: Path, configs: tuple[object, ...], tokenizer: object) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's, the configs' and the generation
+    config's (Gemma 3 lists its end-of-turn token there only)."""
+    from transformers import GenerationConfig
+
+    found: list[object] = [tokenizer.eos_token_id]
+    found += [getattr(c, "eos_token_id", None) for c in configs]
+    with contextlib.suppress(OSError):  # no generation_config.json (a GGUF directory)
+        generation = GenerationConfig.from_pretrained(str(directory), local_files_only=True)
+        found.append(generation.eos_token_id)
+    eos: set[int] = set()
+    for ids in found:
+        if isinstance(ids, int):
+            eos.add(ids)
+        elif ids is not None:
+            eos.update(int(i) for i in ids)
+    return frozenset(eos)

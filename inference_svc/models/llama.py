@@ -155,6 +155,17 @@ def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat((rot * cos + _rotate_half(rot) * sin, x[..., r:]), dim=-1)
 
 
+def _cos_sin(
+    positions: Tensor, inv_freq: Tensor, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, N, D]
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
 def split_fused(s: LlamaShape, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Phi-3's fused projections as the shared decoder's own: ``qkv_proj`` into q/k/v (rows
     in that order) and ``gate_up_proj`` into gate and up (gate first, as Phi3MLP chunks it)."""
@@ -182,12 +193,18 @@ class LlamaLM(nn.Module):
         self.shape = s
         self.model = Backbone(s)
         self.lm_head = nn.Linear(s.hidden_size, s.vocab_size, bias=False)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-        # Per layer, which of ``_masks``' masks it uses: 1 = the sliding window's.
+        self.register_buffer("inv_freq", self._inv_freq(s.inv_freq), persistent=False)
+        if s.local_inv_freq is not None:
+            local = self._inv_freq(s.local_inv_freq)
+            self.register_buffer("local_inv_freq", local, persistent=False)
+        # Per layer, which of ``_masks``' masks it uses: 1 = the sliding window's; and which
+        # of ``_cos_sin``'s rope tables: 1 = the local one (Gemma 3).
         self._local = tuple(int(x) for x in s.sliding_layers) or (0,) * s.num_layers
+        self._rope_of = tuple(int(x) for x in s.local_rope_layers) or (0,) * s.num_layers
 
-    def _inv_freq(self) -> Tensor:
-        return torch.tensor(self.shape.inv_freq, dtype=torch.float32)
+    @staticmethod
+    def _inv_freq(freq: tuple[float, ...]) -> Tensor:
+        return torch.tensor(freq, dtype=torch.float32)
 
     @classmethod
     def from_state(cls, s: LlamaShape, state: dict[str, Tensor]) -> tuple[LlamaLM, list[str]]:
@@ -201,7 +218,9 @@ class LlamaLM(nn.Module):
         missing, unexpected = lm.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise ValueError(f"weights do not fit: unexpected {unexpected[:5]}")
-        lm.inv_freq = lm._inv_freq()
+        lm.inv_freq = lm._inv_freq(s.inv_freq)
+        if s.local_inv_freq is not None:
+            lm.local_inv_freq = lm._inv_freq(s.local_inv_freq)
         lm.tie_weights()
         missing = [k for k in missing if not (s.tie_embeddings and k == "lm_head.weight")]
         return lm, missing
@@ -210,13 +229,13 @@ class LlamaLM(nn.Module):
         if self.shape.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def _cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, N, D]
-        cos, sin = emb.cos(), emb.sin()
-        if self.shape.rope_scale != 1.0:
-            cos, sin = cos * self.shape.rope_scale, sin * self.shape.rope_scale
-        return cos.to(dtype), sin.to(dtype)
+    def _ropes(self, positions: Tensor, dtype: torch.dtype) -> tuple[tuple[Tensor, Tensor], ...]:
+        """The cos/sin tables at ``positions``: the rope's, and the local layers' second."""
+        s = self.shape
+        tables = (_cos_sin(positions, self.inv_freq, s.rope_scale, dtype),)
+        if s.local_inv_freq is None:
+            return tables
+        return (*tables, _cos_sin(positions, self.local_inv_freq, s.local_rope_scale, dtype))
 
     def _masks(self, slots: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
         """Causal mask of each query position over the cache slots; with a sliding window,
@@ -265,7 +284,7 @@ class LlamaLM(nn.Module):
         ``L = len(slots)`` slots, each up to its own position (earlier chunks included).
         """
         h = self._embed(input_ids)
-        cos, sin = self._cos_sin(positions, h.dtype)
+        ropes = self._ropes(positions, h.dtype)
         n = slots.shape[0]
         masks = self._masks(slots[None, :], positions[0, :, None])
         masks = tuple(m[None, None] for m in masks)  # [1, 1, C, L]
@@ -273,7 +292,7 @@ class LlamaLM(nn.Module):
         rows = row.expand(where.shape[0])
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            q, k, v = attn.qkv(layer.input_layernorm(h), *ropes[self._rope_of[i]])
             keys, values = k_cache[i], v_cache[i]
             keys[rows, :, where] = k[0].transpose(0, 1)
             values[rows, :, where] = v[0].transpose(0, 1)
@@ -302,14 +321,14 @@ class LlamaLM(nn.Module):
         whole view, every layer, every step).
         """
         h = self._embed(input_ids)
-        cos, sin = self._cos_sin(positions, h.dtype)
+        ropes = self._ropes(positions, h.dtype)
         b, n = input_ids.shape[0], slots.shape[0]
         masks = tuple(m[:, None, None, :] for m in self._masks(slots[None, :], positions))
         rows = torch.arange(b, device=h.device)  # masks: [B, 1, 1, L]
         where = positions[:, 0]
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(h), cos, sin)
+            q, k, v = attn.qkv(layer.input_layernorm(h), *ropes[self._rope_of[i]])
             keys, values = k_cache[i], v_cache[i]
             keys[rows, :, where] = k[:, :, 0]
             values[rows, :, where] = v[:, :, 0]
