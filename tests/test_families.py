@@ -95,10 +95,10 @@ def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:
 
     config_cls, model_cls, options = FAMILIES[family]
     text_cls = "Gemma3TextConfig" if config_cls == "Gemma3Config" else config_cls
-    config = getattr(transformers, text_cls)(
-        vocab_size=len(tokenizer), **COMMON, **{**options, **extra},
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
+    config = getattr(transformers, text_cls)(**{
+        "vocab_size": len(tokenizer), **COMMON, **options, **extra,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+    })  # fmt: skip
     if config_cls == "Gemma3Config":  # the text model inside a multimodal one
         config = transformers.Gemma3Config(
             text_config=config.to_dict(), vision_config=VISION, mm_tokens_per_image=4

@@ -12,6 +12,9 @@ import torch
 SUPPORTED_ARCHITECTURES = (
     "gemma2", "gemma3", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3",
 )  # fmt: skip
+# The GGUF architectures (llama.cpp's names) of those families that transformers' GGUF reader
+# converts (transformers/integrations/ggml.py; Mistral's GGUF is "llama").
+GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 # Gemma's layer: (1 + w) norms, scaled embeddings, sandwich norms (Gemma 3 adds q/k norms).
 GEMMA = ("gemma2", "gemma3_text")
 # Rotary embeddings; a static cache and compiled graphs need frequencies that do not change

@@ -148,6 +148,8 @@ def load_causal_lm_parts(
     cached = cache_dir / _cache_key(directory / gguf) if gguf and cache_dir else None
     if cached is not None and (cached / "complete").exists():
         return _read_cached(cached)
+    if gguf:
+        _check_gguf_architecture(directory / gguf)
     with _registry_unchanged():
         hf, tokenizer = load_hf_causal_lm(directory, torch.float32)
     state = {k: v for k, v in hf.state_dict().items() if "rotary_emb" not in k}
@@ -157,6 +159,22 @@ def load_causal_lm_parts(
         except OSError as exc:
             log.warning("could not cache the converted model in %s: %s", cached, exc)
     return hf.config, state, tokenizer
+
+
+def _check_gguf_architecture(path: Path) -> None:
+    """Refuse a GGUF file of an architecture Generate does not serve by its name, from the
+    header alone (before the whole file is dequantized)."""
+    from gguf import GGUFReader
+
+    from inference_svc.models.decoder_shape import GGUF_ARCHITECTURES
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    arch = field.contents() if field is not None else None
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} ({path.name}) is not supported for Generate "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
 
 
 def _read_cached(cached: Path) -> tuple[object, dict[str, torch.Tensor], object]:
