@@ -19,7 +19,7 @@ when the call fails, printing ``error: <STATUS_CODE>: <message>`` to stderr.
 The address defaults to $INFERENCE_ADDR, else 127.0.0.1:50051. Any gRPC target works:
 ``dns:///inference-svc-headless:50051`` (every address the name resolves to) or
 ``ipv4:10.0.0.1:50051,10.0.0.2:50051``; calls are spread over them (round_robin) and Embed,
-Info and health are retried on UNAVAILABLE, Generate never (inference_api/channel.py).
+Info and health are retried on UNAVAILABLE and CANCELLED, Generate never (inference_api/channel.py).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ async def counts(reps: Sequence[Replica], rpc: str, code: str = "OK") -> list[in
 def test_the_service_config_retries_only_what_has_no_side_effects() -> None:
     retried, plain = SERVICE_CONFIG["methodConfig"]
     assert {n["method"] for n in retried["name"]} == {"Embed", "Info", "Check"}
-    assert retried["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    assert retried["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"]
     assert {n["method"] for n in plain["name"]} == {"Generate", "GenerateStream"}
     assert "retryPolicy" not in plain
     assert SERVICE_CONFIG["loadBalancingConfig"] == [{"round_robin": {}}]

@@ -109,9 +109,9 @@ def wait_share(c: Cluster, new: Replica, since: float, limit: float) -> tuple[fl
 
 def test_three_replicas_share_the_calls(cluster: Cluster) -> None:
     t0 = time.monotonic()
-    time.sleep(1.0)  # the channel connected to all three
-    calls, ratios = shares_over(cluster.replicas, 4.0)
-    print(f"3 replicas by DNS + round_robin, 4 s: calls {[dict(c) for c in calls]}, "
+    time.sleep(0.5)  # the channel connected to all three
+    calls, ratios = shares_over(cluster.replicas, 3.0)
+    print(f"3 replicas by DNS + round_robin, 3 s: calls {[dict(c) for c in calls]}, "
           f"share of the mean {ratios}")  # fmt: skip
     assert all(SHARE[0] <= r <= SHARE[1] for r in ratios), ratios
     assert all(c.keys() >= {"Embed", "Generate", "GenerateStream"} for c in calls), calls
@@ -132,11 +132,11 @@ def test_a_replica_added_to_the_name_gets_its_share_within_the_age_plus_5_s(
     cluster.publish()
     took, share = wait_share(cluster, new, added, JOIN_LIMIT_S)
     resolved = [round(t - added, 2) for t in cluster.dns.lookups("A", since=added)]
-    calls, ratios = shares_over(cluster.replicas, 2.0)
+    calls, ratios = shares_over(cluster.replicas, 1.0)
     print(f"4th replica into the name: resolved again at {resolved[:3]} s, half the mean at "
           f"{took:.2f} s (share {share} over {WINDOW_S} s; limit {JOIN_LIMIT_S} s = age "
           f"{AGE_S} s + 5, resolution interval {DNS_MIN_RESOLUTION_INTERVAL_S} s); then over "
-          f"2 s: calls {[c.total() for c in calls]}, shares {ratios}")  # fmt: skip
+          f"1 s: calls {[c.total() for c in calls]}, shares {ratios}")  # fmt: skip
     assert resolved and resolved[0] <= took
     assert min(ratios) >= 0.5, ratios
     assert_no_embed_failed(cluster.load, t0)
@@ -153,19 +153,16 @@ def test_a_replica_taken_out_of_the_name_gets_no_call_once_resolved_again(
     removed = time.monotonic()
     cluster.publish()
     last, last_change = total(gone), removed
-    while time.monotonic() - last_change < WINDOW_S + POLL_S:  # until quiet for a second
-        assert time.monotonic() - removed < JOIN_LIMIT_S + 2, f"{gone.name} still called"
+    quiet_s = 1.5  # no call for this long: the clients no longer pick it
+    while time.monotonic() - last_change < quiet_s:
+        assert time.monotonic() - removed < JOIN_LIMIT_S + quiet_s, f"{gone.name} still called"
         time.sleep(POLL_S)
         if (n := total(gone)) != last:
             last, last_change = n, time.monotonic()
-    time.sleep(1.0)
-    after = total(gone)
     resolved = [round(t - removed, 2) for t in cluster.dns.lookups("A", since=removed)]
     print(f"4th replica out of the name: resolved again at {resolved[:3]} s, its last call "
-          f"seen by {last_change - removed:.2f} s, {after - last} calls in the next "
-          f"{1 + WINDOW_S:.0f} s")  # fmt: skip
-    assert after == last
-    assert last_change - removed <= JOIN_LIMIT_S
+          f"seen by {last_change - removed:.2f} s, then 0 calls for {quiet_s} s")  # fmt: skip
+    assert resolved and last_change - removed <= JOIN_LIMIT_S
     assert gone.stop(signal.SIGTERM) == 0, gone.svc.tail()
     assert_no_embed_failed(cluster.load, t0)
 
@@ -208,7 +205,7 @@ def test_a_replica_killed_under_load_costs_no_embed_and_ends_its_streams(
     load = cluster.load
     victim = cluster.replicas[0]
     deadline = time.monotonic() + 10
-    while (in_flight := victim.in_flight())["GenerateStream"] < 1:
+    while (in_flight := victim.in_flight())["GenerateStream"] < 2:
         assert time.monotonic() < deadline, "no stream open on the victim in 10 s"
         time.sleep(0.01)
     open_streams = [c for c in load.since(t0 - 30, "GenerateStream") if c.end is None]
