@@ -6,6 +6,7 @@ load, by name."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,19 @@ def ours(directory: Path) -> GenerateRunner:
                           LogprobsMode.RAW, buckets)  # fmt: skip
 
 
+def transformers_next(directory: Path) -> Callable[[list[int]], torch.Tensor]:
+    """transformers' logits after a sequence, from the model in ``directory``."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+    def logits(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return reference(torch.tensor([ids])).logits[0, -1]
+
+    return logits
+
+
 def prefill(runner: GenerateRunner, row: int, ids: list[int]) -> torch.Tensor:
     chunk = runner.buckets.chunk[-1]
     for start in range(0, len(ids), chunk):
@@ -133,19 +147,13 @@ def prefill(runner: GenerateRunner, row: int, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM
 
     directory = build(tmp_path, family, tokenizer)
-    reference = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    ref_next = transformers_next(directory)
     runner = ours(directory)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (40,), generator=gen).tolist()  # three chunks of 16
     other = torch.randint(0, 1000, (21,), generator=gen).tolist()
-
-    def ref_next(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return reference(torch.tensor([ids])).logits[0, -1]
-
     with torch.inference_mode():
         got = prefill(runner, 0, prompt)
         assert (got - ref_next(prompt)).abs().max() <= 1e-4

@@ -15,7 +15,7 @@ import torch
 
 from inference_svc.compile_monitor import Origin
 from inference_svc.models.loading import gguf_file, resolve_lm_dir
-from tests.test_families import build, ours, prefill
+from tests.test_families import build, ours, prefill, transformers_next
 from tests.test_families import tokenizer as tokenizer  # the fixture
 
 pytestmark = pytest.mark.rpc
@@ -116,19 +116,12 @@ def _tokenizer_fields() -> dict[str, tuple[str, object]]:
 
 @pytest.mark.parametrize("family", sorted(GGUF_FAMILIES))
 def test_a_gguf_file_gives_the_hf_directorys_logits(family, tokenizer, tmp_path) -> None:
-    from transformers import AutoModelForCausalLM
-
     arch, options = GGUF_FAMILIES[family]
     hf_dir = build(tmp_path / "hf", family, tokenizer, vocab_size=VOCAB, **options)
     gguf_dir = write_gguf(hf_dir, tmp_path / "gguf", arch)
-    reference = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    ref_next = transformers_next(hf_dir)
     runner = ours(gguf_dir)
     prompt = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-
-    def ref_next(ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return reference(torch.tensor([ids])).logits[0, -1]
-
     with torch.inference_mode():
         got = prefill(runner, 0, prompt)
         assert (got - ref_next(prompt)).abs().max() <= 1e-4
