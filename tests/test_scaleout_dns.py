@@ -25,12 +25,12 @@ import grpc
 import pytest
 
 from harness.dns import DnsServer
-from harness.load import Load
+from harness.load import Call, Load
 from harness.procs import free_port
 from harness.replicas import Replica
 from inference_api.channel import DNS_MIN_RESOLUTION_INTERVAL_S, channel_options
 from tests.conftest import tiny_args
-from tests.test_scaleout_envoy import REPLICA_ENV, SHARE, assert_no_embed_failed, shares_over
+from tests.test_scaleout_envoy import REPLICA_ENV, SHARE, shares_over
 
 pytestmark = [pytest.mark.proc, pytest.mark.e2e]
 
@@ -87,6 +87,21 @@ def cluster(tmp_path_factory, tiny_embed_dir, tiny_lm_dir) -> Iterator[Cluster]:
 
 def total(rep: Replica) -> int:
     return sum(rep.requests().values())
+
+
+def failed_since(load: Load, t: float, rpc: str) -> list[Call]:
+    """Calls of ``rpc`` that ended at or after ``t`` with a failure, begun before it or not."""
+    return [
+        c for c in load.since(0.0, rpc)
+        if c.end is not None and c.end >= t and c.code != grpc.StatusCode.OK
+    ]  # fmt: skip
+
+
+def assert_no_embed_failed(load: Load, t: float) -> None:
+    failed = failed_since(load, t, "Embed")
+    assert not failed, (
+        f"{len(failed)} Embed failed: {sorted({(c.code, c.details) for c in failed})}"
+    )
 
 
 def wait_share(c: Cluster, new: Replica, since: float, limit: float) -> tuple[float, float]:
@@ -183,10 +198,12 @@ def test_a_rolling_replacement_costs_no_embed_and_no_begun_stream(cluster: Clust
         assert old.stop(signal.SIGTERM) == 0, old.svc.tail()
         joined.append(wait_share(cluster, new, step, JOIN_LIMIT_S)[0])
     time.sleep(0.5)
-    streams = [c for c in load.since(t0, "GenerateStream") if c.began and c.end is not None]
+    streams = [  # every stream that had begun and ended since t0
+        c for c in load.since(0.0, "GenerateStream") if c.began and c.end and c.end >= t0
+    ]
     cut = [c for c in streams if c.code != grpc.StatusCode.OK]
-    not_begun = load.failed(t0, "Generate") + [
-        c for c in load.failed(t0, "GenerateStream") if not c.began
+    not_begun = failed_since(load, t0, "Generate") + [
+        c for c in failed_since(load, t0, "GenerateStream") if not c.began
     ]
     print(f"rolling replacement in {time.monotonic() - t0:.1f} s: {len(load.since(t0))} calls, "
           f"{len(streams)} streams begun, {len(cut)} cut; each new replica at half the mean "
@@ -201,14 +218,13 @@ def test_a_replica_killed_under_load_costs_no_embed_and_ends_its_streams(
 ) -> None:
     """kill -9 while a stream is open on it: the clients see the connection drop. Its
     address stays in the name for 0.5 s more (Kubernetes takes a moment to remove it)."""
-    t0 = time.monotonic()
     load = cluster.load
     victim = cluster.replicas[0]
     deadline = time.monotonic() + 10
     while (in_flight := victim.in_flight())["GenerateStream"] < 2:
         assert time.monotonic() < deadline, "no stream open on the victim in 10 s"
         time.sleep(0.01)
-    open_streams = [c for c in load.since(t0 - 30, "GenerateStream") if c.end is None]
+    open_streams = [c for c in load.since(0.0, "GenerateStream") if c.end is None]
     killed_at = time.monotonic()
     victim.stop(signal.SIGKILL)
     cluster.replicas.remove(victim)
@@ -218,12 +234,14 @@ def test_a_replica_killed_under_load_costs_no_embed_and_ends_its_streams(
     ends = [(c.code.name if c.code else None, round(c.end - killed_at, 3) if c.end else None,
              c.began) for c in open_streams]  # fmt: skip
     cut = [c for c in open_streams if c.code != grpc.StatusCode.OK]
-    generate_failed = load.failed(t0, "Generate")
+    generate_failed = failed_since(load, killed_at, "Generate")
     print(f"kill -9 with {dict(in_flight)} in flight on it: streams open then "
           f"(code, s after the kill, begun) {ends}; cut {len(cut)} "
           f"{sorted({(c.code.name, c.details) for c in cut})}; Generate failed "
-          f"{len(generate_failed)} {sorted({c.code.name for c in generate_failed})}")  # fmt: skip
+          f"{len(generate_failed)}, (code, begun s after the kill, details) "
+          f"{[(c.code.name, round(c.start - killed_at, 3), c.details) for c in generate_failed]}"
+          )  # fmt: skip
     assert all(c.end is not None and c.end - killed_at < 1.0 for c in cut), ends
     assert cut and all(c.code == grpc.StatusCode.UNAVAILABLE for c in cut), ends
     assert all(c.code == grpc.StatusCode.UNAVAILABLE for c in generate_failed)
-    assert_no_embed_failed(load, t0)
+    assert_no_embed_failed(load, killed_at)
