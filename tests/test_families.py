@@ -188,7 +188,15 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
                 "rope_parameters": {**LONGROPE, "original_max_position_embeddings": 64},
                 "original_max_position_embeddings": 64,
             },
-            r"rope type 'longrope' keeps fixed frequencies up to 64 positions",
+            r"rope type 'longrope' keeps fixed frequencies up to 64 positions "
+            r"\(original_max_position_embeddings\); max input \+ max new tokens = 120 would "
+            r"switch to its long factor .* lower --max-input-tokens/--max-new-tokens",
+        ),
+        (
+            "dynamic-rope",
+            {"max_position_embeddings": 96},
+            r"rope type 'dynamic' keeps fixed frequencies up to 96 positions "
+            r"\(max_position_embeddings\); .* = 120 would rescale its frequencies",
         ),
         (
             "gemma3_text",

@@ -18,9 +18,9 @@ GGUF_ARCHITECTURES = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
 # Gemma's layer: (1 + w) norms, scaled embeddings, sandwich norms (Gemma 3 adds q/k norms).
 GEMMA = ("gemma2", "gemma3_text")
 # Rotary embeddings; a static cache and compiled graphs need frequencies that do not change
-# with the sequence length: "dynamic" keeps its own up to max_position_embeddings (the loader's
-# limit anyway), "longrope" its short factor up to original_max_position_embeddings (the
-# loader refuses a longer max sequence, see LlamaShape.rope_limit).
+# with the sequence length: "dynamic" keeps its own up to max_position_embeddings, "longrope" its
+# short factor up to original_max_position_embeddings (the loader refuses a longer max
+# sequence, see LlamaShape.check_length).
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 # The MLP gates: transformers' activation names, and ours.
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -56,9 +56,9 @@ class LlamaShape:
     # them). A mask over the static cache: the same graphs, the whole cache kept.
     sliding_window: int | None = None
     sliding_layers: tuple[bool, ...] = ()
-    # The longest sequence whose rotary frequencies are the ones above (longrope switches to
-    # its long factor past original_max_position_embeddings); None: any.
-    rope_limit: int | None = None
+    # The rope type whose frequencies change past some length, and that length (longrope:
+    # original_max_position_embeddings; dynamic: max_position_embeddings); None: never.
+    rope_limit: tuple[str, int] | None = None
     # Gemma 2: RMSNorm scales by (1 + weight); token embeddings times sqrt(hidden); a norm
     # after attention and around the MLP ("sandwich"); a tanh-approximated GELU gate; the
     # attention scale from query_pre_attn_scalar; tanh soft-capping of the attention scores
@@ -141,6 +141,23 @@ class LlamaShape:
             final_softcap=getattr(c, "final_logit_softcapping", None) if gemma else None,
         )
 
+    def check_length(self, max_seq_len: int) -> None:
+        """ValueError if sequences of ``max_seq_len`` (max input + max new tokens) go past
+        the model's positions or past the length where its rope changes frequencies."""
+        if self.rope_limit is not None and max_seq_len > self.rope_limit[1]:
+            kind, limit = self.rope_limit
+            field, change = _PAST_LIMIT[kind]
+            raise ValueError(
+                f"rope type {kind!r} keeps fixed frequencies up to {limit} positions ({field}); "
+                f"max input + max new tokens = {max_seq_len} would {change} mid-sequence (not "
+                "supported with a static cache): lower --max-input-tokens/--max-new-tokens"
+            )
+        if max_seq_len > self.max_positions:
+            raise ValueError(
+                f"max input + max new tokens = {max_seq_len} exceeds the model's "
+                f"{self.max_positions} positions"
+            )
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
@@ -170,12 +187,26 @@ def _rope_params(config: object, layer_type: str | None = None) -> dict:
     return rope[layer_type] if layer_type is not None else rope
 
 
-def _rope_limit(config: object) -> int | None:
+def _rope_limit(config: object) -> tuple[str, int] | None:
+    """The rope type whose frequencies change past some length, and that length: longrope
+    switches to its long factor past original_max_position_embeddings, dynamic rescales past
+    max_position_embeddings."""
     rope = _rope_params(config, "full_attention" if _per_layer_type_rope(config) else None)
-    if rope.get("rope_type", rope.get("type")) != "longrope":
+    kind = rope.get("rope_type", rope.get("type"))
+    if kind == "dynamic":
+        return kind, int(config.max_position_embeddings)
+    if kind != "longrope":
         return None
     original = rope.get("original_max_position_embeddings")
-    return int(original or getattr(config, "original_max_position_embeddings", 0) or 0) or None
+    original = int(original or getattr(config, "original_max_position_embeddings", 0) or 0)
+    return (kind, original) if original else None
+
+
+# What each rope type does past its limit, and the config field that sets the limit.
+_PAST_LIMIT = {
+    "longrope": ("original_max_position_embeddings", "switch to its long factor"),
+    "dynamic": ("max_position_embeddings", "rescale its frequencies"),
+}
 
 
 def _rope_frequencies(

@@ -240,18 +240,7 @@ def load_generative(
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     text, state = text_decoder(config, state)  # Gemma 3's text model
     shape = LlamaShape.from_hf(text)  # ValueError for an architecture not supported
-    if shape.rope_limit is not None and limits.max_seq_len > shape.rope_limit:
-        raise ValueError(
-            f"rope type 'longrope' keeps fixed frequencies up to {shape.rope_limit} positions "
-            f"(original_max_position_embeddings); max input + max new tokens = "
-            f"{limits.max_seq_len} would switch to its long factor mid-sequence (not supported "
-            "with a static cache): lower --max-input-tokens/--max-new-tokens"
-        )
-    if limits.max_seq_len > shape.max_positions:
-        raise ValueError(
-            f"max input + max new tokens = {limits.max_seq_len} exceeds the model's "
-            f"{shape.max_positions} positions"
-        )
+    shape.check_length(limits.max_seq_len)  # ValueError naming the limit and the rope type
     if shape.tie_embeddings:
         state.pop("lm_head.weight", None)
     lm, missing = LlamaLM.from_state(shape, state)
