@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -47,8 +48,11 @@ WINDOW_S = 1.0  # a share is measured over this long
 class Cluster:
     dns: DnsServer
     port: int
+    start: Callable[[Sequence[int]], list[Replica]]  # SERVING replicas on 127.0.0.<i + 1>
     replicas: list[Replica]  # SERVING and in the DNS answer
     standby: list[Replica]  # SERVING (warmed by their sidecars), not yet in the name
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1))
+    spares: Future[list[Replica]] | None = None
     load: Load = field(init=False)
 
     def publish(self) -> None:
@@ -56,23 +60,37 @@ class Cluster:
         for a headless Service when a pod turns Ready or goes away)."""
         self.dns.set([r.svc.host for r in self.replicas])
 
+    def start_spares(self) -> Future[list[Replica]]:
+        """The three replacements for the rolling replacement, started in the background once
+        (not with the first four: their start would only compete with the share measured)."""
+        if self.spares is None:
+            self.spares = self.pool.submit(self.start, [4, 5, 6])
+        return self.spares
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_embed_dir, tiny_lm_dir) -> Iterator[Cluster]:
-    """Seven replicas started and warmed at once, on 127.0.0.1-7 and one port: three in the
-    name, the load running over it; four SERVING outside it (a 4th, then three replacements)."""
+    """Four replicas started and warmed at once on 127.0.0.1-4 and one port: three in the
+    name, the load running over it, the 4th SERVING outside it."""
     log_dir = tmp_path_factory.mktemp("dns")
     age = ("--max-connection-age", str(AGE_S), "--max-connection-age-grace", str(AGE_GRACE_S))
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, *age)
     port = free_port()  # free on 127.0.0.1, so on the rest of 127/8 too (nothing binds *:port)
-    named = [(f"r{i}", port) for i in range(7)]
-    hosts = [f"127.0.0.{i + 1}" for i in range(7)]
-    started = Replica.start_many(log_dir, args, named, env=REPLICA_ENV, hosts=hosts)
-    dns = DnsServer(NAME)
-    c = Cluster(dns, port, started[:3], started[3:])
-    try:
-        for rep in started:
+    started: list[Replica] = []
+
+    def start(ids: Sequence[int]) -> list[Replica]:
+        named, hosts = [(f"r{i}", port) for i in ids], [f"127.0.0.{i + 1}" for i in ids]
+        reps = Replica.start_many(log_dir, args, named, env=REPLICA_ENV, hosts=hosts)
+        started.extend(reps)
+        for rep in reps:
             rep.wait_serving(120)
+        return reps
+
+    dns = DnsServer(NAME)
+    c = Cluster(dns, port, start, [], [])
+    try:
+        first = start(range(4))
+        c.replicas, c.standby = first[:3], first[3:]
         c.publish()
         c.load = Load(dns.target(port), options=channel_options())
         c.load.start()
@@ -80,6 +98,7 @@ def cluster(tmp_path_factory, tiny_embed_dir, tiny_lm_dir) -> Iterator[Cluster]:
     finally:
         if hasattr(c, "load"):
             c.load.stop()
+        c.pool.shutdown()  # the spares started (or failed)
         for rep in started:
             rep.stop()
         dns.stop()
@@ -139,6 +158,7 @@ def test_a_replica_added_to_the_name_gets_its_share_within_the_age_plus_5_s(
     """No balancer tells the clients: a server's GOAWAY at its connection age makes the
     channel resolve the name again (no sooner than the resolution interval in the channel
     options after the last one), round_robin connects to the new address and sends it calls."""
+    cluster.start_spares()
     t0 = time.monotonic()
     new = cluster.standby.pop(0)
     assert total(new) == 0
@@ -186,6 +206,9 @@ def test_a_rolling_replacement_costs_no_embed_and_no_begun_stream(cluster: Clust
     """Each old replica in turn: a new one (SERVING) into the name, the old one out of it and
     SIGTERM at once (no preStop delay: the clients still have its address, the server's
     GOAWAY is what moves them). The next step once the new one has calls."""
+    waited = time.monotonic()
+    cluster.standby += cluster.start_spares().result(timeout=180)
+    waited = time.monotonic() - waited
     t0 = time.monotonic()
     load = cluster.load
     joined = []
@@ -208,7 +231,8 @@ def test_a_rolling_replacement_costs_no_embed_and_no_begun_stream(cluster: Clust
     print(f"rolling replacement in {time.monotonic() - t0:.1f} s: {len(load.since(t0))} calls, "
           f"{len(streams)} streams begun, {len(cut)} cut; each new replica at half the mean "
           f"after {[round(s, 2) for s in joined]} s; Generate failed before it began: "
-          f"{len(not_begun)} {sorted({(c.code.name, c.details) for c in not_begun})}")  # fmt: skip
+          f"{len(not_begun)} {sorted({(c.code.name, c.details) for c in not_begun})}; "
+          f"waited {waited:.1f} s for the replacements to be SERVING")  # fmt: skip
     assert not cut, [(c.code, c.details) for c in cut]
     assert_no_embed_failed(load, t0)
 
