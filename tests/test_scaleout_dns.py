@@ -12,11 +12,14 @@ added to the name gets its share within the connection age + 5 s; the fourth tak
 name gets no call once the clients resolved it again, then stops; all three replaced one at a
 time (new one into the name, old one out, SIGTERM) costs no Embed and no begun stream; one
 killed -9 costs no Embed and ends its open streams at once. Every count is a replica's own
-/metrics (the DNS server records when the clients resolved)."""
+/metrics (the DNS server records when the clients resolved). First, the DNS server's own
+answers, over UDP."""
 
 from __future__ import annotations
 
 import signal
+import socket
+import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -139,6 +142,42 @@ def wait_share(c: Cluster, new: Replica, since: float, limit: float) -> tuple[fl
                 return now - since, round(share, 2)
         assert now - since < limit, f"{new.name} below half the mean {limit} s after: {samples}"
         time.sleep(POLL_S)
+
+
+def query(server: DnsServer, name: str, qtype: int) -> tuple[int, list[tuple[str, int]]]:
+    """(rcode, [(address, ttl)]) as the server answers one query over UDP."""
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+    packet = struct.pack("!HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+    packet += labels + b"\0" + struct.pack("!HH", qtype, 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5)
+        sock.sendto(packet, (server.host, server.port))
+        reply = sock.recv(4096)
+    qid, flags, _, ancount, _, _ = struct.unpack_from("!HHHHHH", reply)
+    assert qid == 0x1234 and flags & 0x8000, reply  # our id, a response
+    offset, records = len(packet), []
+    for _ in range(ancount):  # each: a name pointer, type, class, ttl, length, address
+        _, rtype, _, ttl, length = struct.unpack_from("!HHHIH", reply, offset)
+        offset += 12
+        assert rtype == 1 and length == 4
+        records.append((socket.inet_ntoa(reply[offset : offset + 4]), ttl))
+        offset += 4
+    return flags & 0xF, records
+
+
+def test_the_dns_server_answers_like_a_headless_service() -> None:
+    """Every address of the name in one A answer, TTL 0 (no resolver keeps it), the new list
+    at the next query; AAAA empty, other names NXDOMAIN (the client asks those too)."""
+    server = DnsServer("Replicas.Test", ["127.0.0.1", "127.0.0.2"])
+    try:
+        assert query(server, "replicas.test", 1) == (0, [("127.0.0.1", 0), ("127.0.0.2", 0)])
+        server.set(["127.0.0.3"])
+        assert query(server, "REPLICAS.test", 1) == (0, [("127.0.0.3", 0)])
+        assert query(server, "replicas.test", 28) == (0, [])  # AAAA: the name, no address
+        assert query(server, "other.test", 1) == (3, [])  # NXDOMAIN
+        assert len(server.lookups("A")) == 2 and len(server.lookups("AAAA")) == 1
+    finally:
+        server.stop()
 
 
 def test_three_replicas_share_the_calls(cluster: Cluster) -> None:
