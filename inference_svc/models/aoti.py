@@ -33,6 +33,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from inference_api.plan import CompilationMode
+from inference_svc.models.aoti_weights import (
+    UNFROZEN_OPTIONS,
+    Constants,
+    constants,
+    weights_outside,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,8 @@ class Family:
 
 def inductor_options(mode: CompilationMode, freeze: bool) -> dict[str, Any]:
     opts: dict[str, Any] = {"freezing": freeze}
+    if not freeze:  # the weights stay the model's own: shared with it (models/aoti_weights.py)
+        opts.update(UNFROZEN_OPTIONS)
     if mode is CompilationMode.MAX_AUTOTUNE:
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return opts
@@ -116,7 +124,7 @@ class AotiGraph:
         found = store.find(name)
         if found is not None:
             try:
-                self._run = _load(found)
+                self._run = _load(found, module)
                 self.source = "loaded"
                 log.info("package %s: loaded from %s", name, found)
             except Exception as e:  # a broken package: built again at the first call
@@ -185,7 +193,7 @@ class AotiGraph:
                 program, package_path=str(part), inductor_configs=self.options
             )
         part.rename(path)
-        run = _load(path)
+        run = _load(path, self.module)
         self.source = "built"
         log.info(
             "package %s: exported in %.1f s, compiled in %.1f s (%.0f MiB; %s)",
@@ -224,13 +232,14 @@ def _widened(args: Args, shapes: Any) -> Args:
 _EXTRACT = threading.Lock()  # TMPDIR is process-wide: one load at a time
 
 
-def _load(path: Path) -> Package:
+def _load(path: Path, module: torch.nn.Module) -> Package:
     """Load a package. torch's loader unpacks it (its shared library and weights: hundreds
     of MB) into ``$TMPDIR/aotinductor_*`` and removes that only when the loader is
     destroyed, which a process that is killed or simply exits never does: every start
     leaked a copy (11 GB in /tmp after a day of restarts here). So it unpacks into a
     directory of ours, removed as soon as the package has loaded: the library is mapped
-    and the weights read, so the files are not needed again."""
+    and the weights read, so the files are not needed again. A package built unfrozen
+    gets the module's own tensors as its weights (models/aoti_weights.py)."""
     # A package built with max-autotune may run AMX tiles (inductor's C++ micro-GEMMs), which
     # Linux allows a process only after it asks (arch_prctl XTILEDATA): without this, its
     # first call dies of SIGILL when nothing else here used AMX yet. inductor asks in its
@@ -239,7 +248,14 @@ def _load(path: Path) -> Package:
     scratch = Path(tempfile.mkdtemp(prefix="inference-svc-aoti-load-"))
     try:
         with _EXTRACT, _tmpdir(scratch):
-            return Package(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1))
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        weights = None
+        if weights_outside(path):
+            weights = constants(path, loader.get_constant_fqns(), module)
+            # user_managed: the package runs on these tensors, no copy (Package keeps them)
+            loader.load_constants(weights.tensors, False, True, True)
+            log.info("package %s: %s", path.stem, weights.text())
+        return Package(loader, weights)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -253,8 +269,9 @@ class Package:
     kept packages otherwise never needs. Its call also parsed the call spec at every call;
     here once."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, weights: Constants | None = None) -> None:
         self.loader = loader
+        self.weights = weights  # the tensors an unfrozen package runs on: alive as long as it
         _, out_spec = loader.get_call_spec()
         self.out_spec = pytree.treespec_loads(out_spec)
 
