@@ -83,6 +83,11 @@ ENV PATH=/opt/venv/bin:$PATH \
     # Kept compiled artifacts (Dynamo packages + inductor caches, keyed): a restart of a
     # compiled service loads them instead of compiling.
     INFERENCE_SVC_COMPILE_CACHE_DIR=/var/cache/inference-svc/compile \
+    # A compiled mode (--compilation-mode default or max-autotune) runs AOTInductor packages,
+    # kept whole in the cache above: a restart compiles nothing and loads in seconds. Unfrozen
+    # (the default), they run on the model's own weights, one copy in memory (docs/restarts.md).
+    # A flag overrides it; the precompile Job and PRECOMPILE below run with the same.
+    INFERENCE_SVC_COMPILE_BACKEND=aoti \
     TRITON_CACHE_DIR=/var/cache/inference-svc/triton \
     XDG_CACHE_HOME=/var/cache/inference-svc \
     INFERENCE_ADDR=127.0.0.1:50051

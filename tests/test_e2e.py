@@ -17,7 +17,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from harness.procs import ServiceProc, free_ports, health_status, sidecar, wait_serving
+from harness.procs import ROOT, ServiceProc, free_ports, health_status, sidecar, wait_serving
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import admin_pb2_grpc, inference_pb2_grpc
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
@@ -59,15 +59,34 @@ def workload(inf: inference_pb2_grpc.InferenceStub) -> None:
     list(inf.GenerateStream(reqs[7], timeout=300))
 
 
+def image_compiled_env() -> dict[str, str]:
+    """The compile settings the image (Dockerfile) sets: what compose, the Kubernetes
+    Deployment and the precompile Job run (tests/test_k8s_precompile.py: none overrides)."""
+    text = (ROOT / "Dockerfile").read_text()
+    found = dict(re.findall(r"(INFERENCE_SVC_(?:COMPILE_BACKEND|FREEZE_WEIGHTS))=(\S+)", text))
+    assert found.get("INFERENCE_SVC_COMPILE_BACKEND") == "aoti", found
+    return found
+
+
+def compile_events(svc: ServiceProc) -> list[int]:
+    return [int(n) for n in re.findall(r"warmup COMPILE \w+: .* (\d+) compile events", svc.text())]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)  # compiles the real models from scratch: minutes per graph
 def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
+    """The real models under the image's compiled configuration (AOTInductor packages on the
+    model's own weights), from an empty cache: SERVING with 0 late compiles; a restart loads the kept
+    packages, compiles nothing and gives the same tokens; the reseed order holds."""
+    env = image_compiled_env()
     args = ["--port", "0", "--admin-port", "0", "--seed", "5", "--max-input-tokens", "128",
             "--max-new-tokens", "32", "--embed-max-batch", "8"]  # fmt: skip
-    svc = ServiceProc(tmp_path, [*args, "--compilation-mode", "default"])
+    compiled = [*args, "--compilation-mode", "default", "--compile-cache-dir", str(tmp_path / "cc")]
+    svc = ServiceProc(tmp_path, compiled, env=env)
     ctl = sidecar(tmp_path, svc)
     try:
         wait_serving(svc, timeout=2400)
+        assert "package generative-decode: exported" in svc.text(), svc.tail()
         inf = stub(svc)
         # Reseed order: the first unseeded random request sees the configured seed's state.
         first = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
@@ -81,8 +100,33 @@ def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
         ctl.stop()
         svc.stop()
 
+    # A restart on the same cache: every package loaded, nothing compiled, the same tokens.
+    again = ServiceProc(tmp_path, compiled, env=env, name="restart")
+    ctl = sidecar(tmp_path, again, name="restart-ctl")
+    try:
+        wait_serving(again, timeout=600)
+        text = again.text()
+        loaded = re.findall(
+            r"model (\w+): (\d+) compiled functions and (\d+) packages loaded", text
+        )
+        assert sorted(loaded) == [("embedding", "0", "1"), ("generative", "0", "2")], again.tail()
+        assert "exported in" not in text, again.tail()
+        events = compile_events(again)
+        assert len(events) == 2 and sum(events) == 0, again.tail()
+        inf = stub(again)
+        restarted = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
+        assert list(restarted.token_ids) == list(first.token_ids)
+        repeat = inf.Generate(pb.GenerateRequest(prompt="The sea is", sampling=SEEDED))
+        assert list(repeat.token_ids) == list(seeded.token_ids)
+        workload(inf)
+        assert inf.Info(pb.InfoRequest()).late_compile_events == 0, again.tail()
+    finally:
+        ctl.stop()
+        again.stop()
+
     # A fresh service with the same seed that runs no warmup at all: mode NONE, KV size
-    # explicit, so its plan is RESEED + MARK_SERVING only.
+    # explicit, so its plan is RESEED + MARK_SERVING only. Eager float32 against the
+    # packages' float32 (within 1e-5 of each other): the same sampled tokens.
     base = ServiceProc(tmp_path, [*args, "--kv-cache-tokens", "640"], name="base")
     once = sidecar(tmp_path, base, "--once", name="base-ctl")
     try:
@@ -90,8 +134,8 @@ def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
         fresh = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=RANDOM))
         assert list(fresh.token_ids) == list(first.token_ids)
         # And a seeded request gives the same tokens in another process.
-        again = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=SEEDED))
-        assert list(again.token_ids) == list(seeded.token_ids)
+        again_seeded = stub(base).Generate(pb.GenerateRequest(prompt="The sea is", sampling=SEEDED))
+        assert list(again_seeded.token_ids) == list(seeded.token_ids)
     finally:
         once.stop()
         base.stop()
