@@ -56,6 +56,12 @@ def test_job_compiles_what_the_service_loads() -> None:
     # The key: the same compilation mode and the same thread count (OMP from the CPU request).
     for key_flag in ("--compilation-mode", "--compile-backend", "--freeze-weights"):
         assert given(pre["command"], key_flag) == given(svc["command"], key_flag), key_flag
+    # Neither names a backend: both run the image's (INFERENCE_SVC_COMPILE_BACKEND=aoti),
+    # as compose's server does.
+    assert given(svc["command"], "--compile-backend") is None
+    assert "INFERENCE_SVC_COMPILE_BACKEND=aoti" in (ROOT / "Dockerfile").read_text()
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    assert not any("--compile-backend" in arg for arg in compose["services"]["server"]["command"])
     assert pre["resources"]["requests"]["cpu"] == svc["resources"]["requests"]["cpu"]
     threads = {e["name"]: e for e in pre["env"]}["OMP_NUM_THREADS"]
     assert threads == {e["name"]: e for e in svc["env"]}["OMP_NUM_THREADS"]
