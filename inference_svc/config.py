@@ -94,9 +94,12 @@ class ServiceConfig:
         "~/.cache/inference-svc/compile",
         "compiled artifacts kept here for the next start ('' = none)",
     )
-    # Prepacked for oneDNN/MKL; torch 2.13 caches no frozen graph.
+    # Prepacked for oneDNN/MKL; torch 2.13's Dynamo caches no frozen graph (AOTInductor keeps it).
     freeze_weights: bool = setting(
-        False, "on: weights frozen into compiled graphs (faster steps; every start compiles)"
+        False,
+        "on: weights folded and prepacked into compiled graphs (faster steps at large "
+        "batches; torch-compile: every start compiles; aoti: a copy of the weights per "
+        "package, where off shares the model's own)",
     )
     compile_backend: str = setting(
         "torch-compile",
