@@ -240,7 +240,8 @@ def test_every_eos_id_of_the_generation_config_stops(tokenizer, tmp_path) -> Non
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("family", ["qwen2-window", "gemma2"])
+# gemma2 is served compiled in tests/test_families_compiled.py (AOTInductor packages)
+@pytest.mark.parametrize("family", ["qwen2-window"])
 async def test_a_service_compiled_serves_eagers_tokens_with_no_late_compile(
     family, tokenizer, tmp_path
 ) -> None:
