@@ -76,8 +76,8 @@ def compile_events(svc: ServiceProc) -> list[int]:
 @pytest.mark.timeout(3600)  # compiles the real models from scratch: minutes per graph
 def test_compiled_service_never_compiles_after_serving(tmp_path: Path) -> None:
     """The real models under the image's compiled configuration (AOTInductor packages on the
-    model's own weights), from an empty cache: SERVING with 0 late compiles; a restart loads the kept
-    packages, compiles nothing and gives the same tokens; the reseed order holds."""
+    model's own weights), from an empty cache: SERVING with 0 late compiles; a restart loads
+    the kept packages, compiles nothing and gives the same tokens; the reseed order holds."""
     env = image_compiled_env()
     args = ["--port", "0", "--admin-port", "0", "--seed", "5", "--max-input-tokens", "128",
             "--max-new-tokens", "32", "--embed-max-batch", "8"]  # fmt: skip
