@@ -184,6 +184,21 @@ def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path
     equals_transformers(ours(directory), directory)
 
 
+def test_a_sharded_checkpoint_loads_whole(tokenizer, tmp_path) -> None:
+    """Weights split over several safetensors files (an index names each tensor's file), as
+    every model above a few GB ships: the same parity."""
+    from transformers import AutoModelForCausalLM
+
+    whole = build(tmp_path / "whole", "phi3", tokenizer)
+    sharded = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(str(whole), dtype=torch.float32)
+    model.save_pretrained(sharded, max_shard_size="300KB")
+    tokenizer.save_pretrained(sharded)
+    assert len(list(sharded.glob("model-*-of-*.safetensors"))) > 2
+    assert (sharded / "model.safetensors.index.json").is_file()
+    equals_transformers(ours(sharded), whole)
+
+
 @pytest.mark.parametrize(
     ("family", "extra", "message"),
     [
