@@ -33,12 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from inference_api.plan import CompilationMode
-from inference_svc.models.aoti_weights import (
-    UNFROZEN_OPTIONS,
-    Constants,
-    constants,
-    weights_outside,
-)
+from inference_svc.models.aoti_weights import UNFROZEN_OPTIONS, Constants, constants
 
 log = logging.getLogger(__name__)
 
@@ -249,9 +244,8 @@ def _load(path: Path, module: torch.nn.Module) -> Package:
     try:
         with _EXTRACT, _tmpdir(scratch):
             loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        weights = None
-        if weights_outside(path):
-            weights = constants(path, loader.get_constant_fqns(), module)
+        weights = constants(path, loader.get_constant_fqns(), module)
+        if weights is not None:
             # user_managed: the package runs on these tensors, no copy (Package keeps them)
             loader.load_constants(weights.tensors, False, True, True)
             log.info("package %s: %s", path.stem, weights.text())

@@ -51,19 +51,17 @@ class Constants:
         )
 
 
-def weights_outside(path: Path) -> bool:
-    """Whether a package keeps its weights outside its library (built unfrozen)."""
-    with zipfile.ZipFile(path) as z:
-        return any(name.endswith(_CONFIG) for name in z.namelist())
-
-
-def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constants:
+def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constants | None:
     """The tensors for a package's constants: the module's own where its name, shape and
-    strides match the package's record, else the package's copy."""
-    mine = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
+    strides match the package's record, else the package's copy; None for a package that
+    keeps its weights inside its library (built frozen)."""
     with zipfile.ZipFile(path) as z:
-        (config,) = [n for n in z.namelist() if n.endswith(_CONFIG)]
+        configs = [n for n in z.namelist() if n.endswith(_CONFIG)]
+        if not configs:
+            return None
+        (config,) = configs
         records: dict[str, list] = json.loads(z.read(config))
+        mine = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
         root = config[: -len(_CONFIG)]
         stored: dict[str, torch.Tensor] = {}
         out, shared, own = {}, 0, 0
