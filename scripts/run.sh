@@ -29,7 +29,6 @@ python=.venv/bin/python
 svc_pid=""
 ctl_pid=""
 filters=""  # the log filters' pids
-naps=""  # the pid of the wait loop's sleep, below
 tmp=$(mktemp -d)
 port_file="$tmp/ports.json"
 
@@ -41,13 +40,13 @@ prefix() { while IFS= read -r line; do printf '%s | %s\n' "$1" "$line"; done; }
 stop() {
     trap - EXIT INT TERM
     local pid deadline=$((SECONDS + 30))
-    for pid in $ctl_pid $svc_pid $naps; do kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in $ctl_pid $svc_pid; do kill -TERM "$pid" 2>/dev/null || true; done
     for pid in $ctl_pid $svc_pid; do
         while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
         kill -KILL "$pid" 2>/dev/null || true
     done
     # Reap everything, the log filters too (they end at EOF), so nothing is left behind.
-    for pid in $ctl_pid $svc_pid $naps $filters; do wait "$pid" 2>/dev/null || true; done
+    for pid in $ctl_pid $svc_pid $filters; do wait "$pid" 2>/dev/null || true; done
     rm -rf "$tmp"
 }
 trap stop EXIT
@@ -104,20 +103,11 @@ ctl_pid=$!
 exec {log_fd}>&-
 
 # Runs until either one exits (or a signal arrives); then the EXIT trap stops the other.
-# Polled, not `wait -n`: a Ctrl-C that lands as bash enters `wait -n` can be held until a
-# child exits (seen once in ~30 runs of the test: the INT trap never ran); a short `wait` on a
-# sleep returns at the latest when the sleep ends, and the trap runs there.
-while kill -0 "$svc_pid" 2>/dev/null && kill -0 "$ctl_pid" 2>/dev/null; do
-    sleep 0.5 &
-    naps=$!
-    wait "$naps" || true
-done
 status=0
+wait -n "$svc_pid" "$ctl_pid" || status=$?
 if kill -0 "$svc_pid" 2>/dev/null; then
-    wait "$ctl_pid" || status=$?
     say "warmup-ctl exited (status $status); stopping inference-svc"
 else
-    wait "$svc_pid" || status=$?
     say "inference-svc exited (status $status)"
 fi
 exit "$status"
