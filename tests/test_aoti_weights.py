@@ -4,9 +4,12 @@ eager's outputs, and takes from its own copy only what the model does not hold a
 
 from __future__ import annotations
 
-import copy
 import gc
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,7 @@ from tests.test_aoti_graph import KeptDir
 
 pytestmark = pytest.mark.unit
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = Family("rows", lambda a: {"batch": a[0].shape[0]}, lambda d, a: ({0: d["batch"]},))
 
 
@@ -46,18 +50,50 @@ def anon_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
-def loaded(module: torch.nn.Module, root: Path) -> tuple[AotiGraph, int]:
-    """The package in ``root`` loaded for ``module``, and the anonymous memory it took."""
-    gc.collect()
-    before = anon_bytes()
-    options = inductor_options(CompilationMode.DEFAULT, freeze=False)
-    g = AotiGraph(module, ROWS, "wide", options, KeptDir(root), CompileMonitor(), lambda: module)
-    g.ranges = {"batch": (2, 8)}
-    assert g.source == "loaded"
-    return g, anon_bytes() - before
+def measure_load(root: str, relayout: bool) -> None:
+    """Run in a fresh process: load the package in ``root`` for the model (its weights
+    laid out otherwise when ``relayout``), print what the load cost in anonymous memory,
+    whether it gave eager's output, and its log lines, as JSON."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("inference_svc.models.aoti")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    module = Wide().eval()
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = module(x)
+        if relayout:
+            for p in module.parameters():
+                if p.dim() == 2:
+                    p.data = p.data.t().contiguous().t()
+        gc.collect()
+        before = anon_bytes()
+        options = inductor_options(CompilationMode.DEFAULT, freeze=False)
+        g = AotiGraph(module, ROWS, "wide", options, KeptDir(Path(root)), CompileMonitor(),
+                      lambda: module)  # fmt: skip
+        g.ranges = {"batch": (2, 8)}
+        grew = anon_bytes() - before
+        same = torch.allclose(g(x), expected, atol=1e-5)
+    print(json.dumps({"source": g.source, "grew": grew, "same": same, "log": records}))
 
 
-def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path, caplog) -> None:
+def loaded(root: Path, relayout: bool) -> dict:
+    """What loading the package in ``root`` costs in a fresh process. Measured there, not
+    here: in a test worker freed memory stays resident and malloc hands it back, so a
+    copy can land in pages RssAnon already counted (it measured 8 KiB for a 32 MiB copy
+    once in CI). A fixed mmap threshold makes each large allocation its own mapping."""
+    call = f"measure_load({str(root)!r}, {relayout})"
+    code = f"from tests.test_aoti_weights import measure_load; {call}"
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path) -> None:
     module = Wide().eval()
     x = torch.randn(3, 1024)
     with torch.no_grad():
@@ -70,20 +106,16 @@ def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path, caplog) -
         assert torch.allclose(build(x), expected, atol=1e-5)
         del build
 
-        caplog.set_level(logging.INFO, logger="inference_svc.models.aoti")
-        g, grew = loaded(module, tmp_path)
-        assert torch.allclose(g(x), expected, atol=1e-5)
-        assert grew < weight_bytes(module) // 4, (grew, weight_bytes(module))
-        assert "weights shared with the eager model 32 MiB, from the package 0 MiB" in caplog.text
+    shared = loaded(tmp_path, relayout=False)
+    assert shared["source"] == "loaded" and shared["same"], shared
+    assert shared["grew"] < weight_bytes(module) // 4, (shared["grew"], weight_bytes(module))
+    assert any("weights shared with the eager model 32 MiB, from the package 0 MiB" in m
+               for m in shared["log"]), shared["log"]  # fmt: skip
 
-        # The control: a model whose weights are laid out otherwise (same values, other
-        # strides) cannot lend them; the package's own copy is read, and it costs its size.
-        other = copy.deepcopy(module)
-        for p in other.parameters():
-            if p.dim() == 2:
-                p.data = p.data.t().contiguous().t()
-        caplog.clear()
-        g2, grew2 = loaded(other, tmp_path)
-        assert torch.allclose(g2(x), expected, atol=1e-5)
-        assert grew2 >= 0.9 * 32 * 2**20, grew2
-        assert "weights shared with the eager model 0 MiB, from the package 32 MiB" in caplog.text
+    # The control: a model whose weights are laid out otherwise (same values, other
+    # strides) cannot lend them; the package's own copy is read, and it costs its size.
+    copied = loaded(tmp_path, relayout=True)
+    assert copied["source"] == "loaded" and copied["same"], copied
+    assert copied["grew"] >= 0.9 * 32 * 2**20, copied["grew"]
+    assert any("weights shared with the eager model 0 MiB, from the package 32 MiB" in m
+               for m in copied["log"]), copied["log"]  # fmt: skip
