@@ -8,6 +8,7 @@ import gc
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from inference_api.plan import CompilationMode
 from inference_svc.compile_monitor import CompileMonitor
+from inference_svc.models import aoti
 from inference_svc.models.aoti import AotiGraph, Family, inductor_options
 from tests.test_aoti_graph import KeptDir
 
@@ -93,18 +95,26 @@ def loaded(root: Path, relayout: bool) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path) -> None:
-    module = Wide().eval()
+def build(module: torch.nn.Module, root: Path) -> None:
     x = torch.randn(3, 1024)
     with torch.no_grad():
-        expected = module(x)
-        build = AotiGraph(
+        g = AotiGraph(
             module, ROWS, "wide", inductor_options(CompilationMode.DEFAULT, freeze=False),
-            KeptDir(tmp_path), CompileMonitor(), lambda: module,
+            KeptDir(root), CompileMonitor(), lambda: module,
         )  # fmt: skip
-        build.ranges = {"batch": (2, 8)}
-        assert torch.allclose(build(x), expected, atol=1e-5)
-        del build
+        g.ranges = {"batch": (2, 8)}
+        assert torch.allclose(g(x), module(x), atol=1e-5)
+        assert g.source == "built"
+
+
+def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path, caplog) -> None:
+    module = Wide().eval()
+    caplog.set_level(logging.INFO, logger="inference_svc.models.aoti")
+    build(module, tmp_path)
+    # Not stored twice: the package on disk holds its code and the constant export lifted.
+    size = (tmp_path / "wide.pt2").stat().st_size
+    assert size < weight_bytes(module) // 4, (size, weight_bytes(module))
+    assert "32 MiB of weights left to the model" in caplog.text
 
     shared = loaded(tmp_path, relayout=False)
     assert shared["source"] == "loaded" and shared["same"], shared
@@ -112,8 +122,32 @@ def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path) -> None:
     assert any("weights shared with the eager model 32 MiB, from the package 0 MiB" in m
                for m in shared["log"]), shared["log"]  # fmt: skip
 
-    # The control: a model whose weights are laid out otherwise (same values, other
-    # strides) cannot lend them; the package's own copy is read, and it costs its size.
+    # A model whose weights are laid out otherwise (same values, other strides) cannot lend
+    # them, and the package has no copy: it does not load, saying which constant, and is
+    # built again (a start never sees this: the kept artifacts' key has the weights and code).
+    other = Wide().eval()
+    for p in other.parameters():
+        if p.dim() == 2:
+            p.data = p.data.t().contiguous().t()
+    refused = AotiGraph(
+        other, ROWS, "wide", inductor_options(CompilationMode.DEFAULT, freeze=False),
+        KeptDir(tmp_path), CompileMonitor(), lambda: other,
+    )  # fmt: skip
+    assert refused.source == "" and refused._run is None
+    assert re.search(
+        r"does not load \(WeightsMismatch\('(up|down)\.weight: left to the model at build "
+        r"\(torch\.float32 \[\d+, \d+\], strides \[\d+, 1\]\); the model holds Tensor "
+        r"torch\.float32 \[\d+, \d+\], strides \[1, \d+\]'\)\); building it again",
+        caplog.text,
+    ), caplog.text
+
+
+def test_the_memory_measure_sees_a_copy(tmp_path: Path, monkeypatch) -> None:
+    """The control for the measure above: a package that keeps its weights (not stripped),
+    loaded for a model that cannot lend them (other strides), reads its own copy, and the
+    load costs that copy's size."""
+    monkeypatch.setattr(aoti, "strip_shared", lambda path, module: 0)
+    build(Wide().eval(), tmp_path)
     copied = loaded(tmp_path, relayout=True)
     assert copied["source"] == "loaded" and copied["same"], copied
     assert copied["grew"] >= 0.9 * 32 * 2**20, copied["grew"]

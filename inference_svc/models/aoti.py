@@ -33,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from inference_api.plan import CompilationMode
-from inference_svc.models.aoti_weights import UNFROZEN_OPTIONS, Constants, constants
+from inference_svc.models.aoti_weights import UNFROZEN_OPTIONS, Constants, constants, strip_shared
 
 log = logging.getLogger(__name__)
 
@@ -187,13 +187,15 @@ class AotiGraph:
             torch._inductor.aoti_compile_and_package(
                 program, package_path=str(part), inductor_configs=self.options
             )
+        left = strip_shared(part, self.module)  # what the model lends is not stored twice
         part.rename(path)
         run = _load(path, self.module)
         self.source = "built"
         log.info(
-            "package %s: exported in %.1f s, compiled in %.1f s (%.0f MiB; %s)",
+            "package %s: exported in %.1f s, compiled in %.1f s (%.0f MiB, %.0f MiB of "
+            "weights left to the model; %s)",
             self.name, exported - start, time.perf_counter() - exported,
-            path.stat().st_size / 2**20, _ranges_text(self.ranges),
+            path.stat().st_size / 2**20, left / 2**20, _ranges_text(self.ranges),
         )  # fmt: skip
         return run
 

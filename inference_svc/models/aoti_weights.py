@@ -13,13 +13,22 @@ layout) and differ from the parameters, so a frozen package keeps its own copy.
 What the model does not hold under a constant's name, shape and strides (a constant that
 export lifted from the code, a parameter that a tensor subclass stores as parts) comes from
 the package's own copy, read from its archive.
+
+The package need not store what the model lends it: once built, its archive is rewritten
+without every weight file the model holds (same name, dtype, shape, strides and values;
+``strip_shared``), which cut each of the packaged LM's two packages from 518 MiB to a few,
+and with them what a restart hashes and unpacks. What was left out is listed in the
+archive (``shared_weights.json``); a model that cannot lend one of those makes the load
+fail (``WeightsMismatch``), and the package is built again.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import zipfile
+from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +42,12 @@ UNFROZEN_OPTIONS = {
 }
 _CONFIG = "data/aotinductor/model/weights_config.json"
 _WEIGHTS = "data/weights/"
+# Ours: the constants whose weight files were left out, name -> [dtype, shape, strides]
+_SHARED = "data/shared_weights.json"
+
+
+class WeightsMismatch(RuntimeError):
+    """The package left a constant to the model, and the model does not hold it as it did."""
 
 
 @dataclass
@@ -51,29 +66,59 @@ class Constants:
         )
 
 
+def _config(z: zipfile.ZipFile) -> str | None:
+    configs = [n for n in z.namelist() if n.endswith(_CONFIG)]
+    return configs[0] if len(configs) == 1 else None
+
+
+def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _lends(tensor: torch.Tensor | None, shape: list[int], stride: list[int]) -> bool:
+    """Whether the model's tensor can stand in for a record of this shape and strides."""
+    return (
+        tensor is not None
+        and type(tensor) is torch.Tensor
+        and list(tensor.shape) == shape
+        and list(tensor.stride()) == stride
+    )
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{type(t).__name__} {t.dtype} {list(t.shape)}, strides {list(t.stride())}"
+
+
 def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constants | None:
     """The tensors for a package's constants: the module's own where its name, shape and
     strides match the package's record, else the package's copy; None for a package that
-    keeps its weights inside its library (built frozen)."""
+    keeps its weights inside its library (built frozen). WeightsMismatch when the package
+    left a constant to the model and the model does not hold it so."""
     with zipfile.ZipFile(path) as z:
-        configs = [n for n in z.namelist() if n.endswith(_CONFIG)]
-        if not configs:
+        config = _config(z)
+        if config is None:
             return None
-        (config,) = configs
         records: dict[str, list] = json.loads(z.read(config))
-        mine = {k: v.detach() for k, v in module.state_dict(keep_vars=True).items()}
         root = config[: -len(_CONFIG)]
+        shared_names = root + _SHARED
+        left: dict[str, list] = {}
+        if shared_names in z.namelist():
+            left = json.loads(z.read(shared_names))
+        mine = _own(module)
         stored: dict[str, torch.Tensor] = {}
         out, shared, own = {}, 0, 0
         for name in names:
             file, shape, stride, offset = records[name]
             tensor = mine.get(name)
-            if (
-                tensor is not None
-                and type(tensor) is torch.Tensor
-                and list(tensor.shape) == shape
-                and list(tensor.stride()) == stride
-            ):
+            if name in left:
+                dtype = left[name][0]
+                if not _lends(tensor, shape, stride) or str(tensor.dtype) != dtype:
+                    held = "nothing" if tensor is None else _described(tensor)
+                    raise WeightsMismatch(
+                        f"{name}: left to the model at build ({dtype} {shape}, strides "
+                        f"{stride}); the model holds {held}"
+                    )
+            if _lends(tensor, shape, stride):
                 out[name] = tensor
                 shared += tensor.nbytes
                 continue
@@ -83,3 +128,40 @@ def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constant
             out[name] = stored[file].as_strided(shape, stride, offset)
             own += out[name].nbytes
     return Constants(out, shared, own)
+
+
+def strip_shared(path: Path, module: torch.nn.Module) -> int:
+    """Rewrite the package at ``path`` without the weight files the module holds exactly
+    (every constant stored in the file: same name, dtype, shape, strides and values), and
+    list what was left out. Returns the bytes removed; 0 for a frozen package."""
+    with zipfile.ZipFile(path) as z:
+        config = _config(z)
+        if config is None:
+            return 0
+        records: dict[str, list] = json.loads(z.read(config))
+        root = config[: -len(_CONFIG)]
+        mine = _own(module)
+        by_file: dict[str, list[str]] = defaultdict(list)
+        for name, record in records.items():
+            by_file[record[0]].append(name)
+        left: dict[str, list] = {}
+        drop: set[str] = set()
+        for file, names in by_file.items():
+            if not all(_lends(mine.get(n), *records[n][1:3]) for n in names):
+                continue
+            data = torch.load(io.BytesIO(z.read(f"{root}{_WEIGHTS}{file}")), weights_only=True)
+            views = {n: data.as_strided(*records[n][1:4]) for n in names}
+            if all(mine[n].dtype == v.dtype and torch.equal(mine[n], v) for n, v in views.items()):
+                drop.add(f"{root}{_WEIGHTS}{file}")
+                left.update({n: [str(v.dtype), *records[n][1:3]] for n, v in views.items()})
+        if not drop:
+            return 0
+        part = path.with_name(f".strip-{path.name}")
+        with zipfile.ZipFile(part, "w") as out:
+            for info in z.infolist():
+                if info.filename not in drop:
+                    out.writestr(info, z.read(info))
+            out.writestr(root + _SHARED, json.dumps(left))
+    before = path.stat().st_size
+    os.replace(part, path)
+    return before - path.stat().st_size
