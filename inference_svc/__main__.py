@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import importlib
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 
-from inference_svc.app import Service
 from inference_svc.config import ServiceConfig, parse_config
 
 log = logging.getLogger("inference_svc")
@@ -22,7 +23,24 @@ log = logging.getLogger("inference_svc")
 EXIT_RESTART = 3
 
 
+def import_frozen(module: str) -> None:
+    """Import ``module`` (the service: torch, transformers, grpc, several hundred thousand
+    objects that live as long as the process) with the cyclic collector off, then move what
+    it made out of the collector's sight (``gc.freeze``). Imported with it on, a start ran
+    five full collections over them on the way, 12 to 110 ms each, 0.3 s of a 4.6 s start
+    in mode none, each finding 0 to 20 objects; and every later full collection (two while
+    the models load, 0.15 and 0.18 s) scanned them again."""
+    gc.disable()
+    try:
+        importlib.import_module(module)
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 async def serve(config: ServiceConfig) -> int:
+    from inference_svc.app import Service
+
     service = Service(config)
     await service.start()
     stop = asyncio.Event()
@@ -56,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    import_frozen("inference_svc.precompile" if command == "precompile" else "inference_svc.app")
     if command == "precompile":
         from inference_svc.precompile import precompile
 

@@ -51,8 +51,15 @@ async def test_aoti_serves_like_eager_and_a_restart_loads_its_packages(
     async with serving(args, loaded=True) as (service, c):
         reports = await c.warm_and_serve()
         assert [r.compile_events for r in reports] == [0] * len(reports), reports
+        # Kept packages run once per range, at the smallest shapes (the proof's), not at the
+        # largest too: the start that built them ran both ends.
+        compiles = {r.model: r for r in reports if r.step == apb.WARMUP_STEP_KIND_COMPILE}
+        assert [len(compiles[m].shapes) for m in ("embedding", "generative")] == [1, 2]
+        assert all("its smallest shapes, checked against eager" in r.detail
+                   for r in compiles.values()), compiles  # fmt: skip
         for m in (await described(c)).values():
             assert m.backend == "aoti" and m.artifacts == "loaded", m
+            assert max(_proof_diffs(m.proof)) < 1e-4, m.proof
         await serves_like_eager(service, c, eager_results)
 
     # A corrupt package: the whole directory is refused, naming the file.
