@@ -67,8 +67,12 @@ class Constants:
 
 
 def _config(z: zipfile.ZipFile) -> str | None:
+    """The package's weight record; None when its weights are inside its library."""
     configs = [n for n in z.namelist() if n.endswith(_CONFIG)]
-    return configs[0] if len(configs) == 1 else None
+    if not configs:
+        return None
+    (config,) = configs  # ValueError for an archive of several models: not one of ours
+    return config
 
 
 def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
