@@ -20,6 +20,7 @@ from inference_svc.limits import GenLimits
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.generative import load_generative
 from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
+from inference_svc.models.weights import convert_linears
 from inference_svc.sampling import Sampler
 
 pytestmark = pytest.mark.rpc
@@ -115,21 +116,25 @@ def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:
     return directory
 
 
-def ours(directory: Path) -> GenerateRunner:
+def ours(directory: Path, weights: str = "same") -> GenerateRunner:
     monitor = CompileMonitor()
     ctx = ModelContext("lm", CompilationMode.NONE, monitor, torch.device("cpu"), torch.float32)
-    model = load_generative(ctx, directory, LIMITS)
+    model = load_generative(ctx, directory, LIMITS, weights=weights)
     buckets = GenBuckets.plan(LIMITS, CompilationMode.NONE)
     model.allocate_cache(buckets.rows_for(2 * LIMITS.max_seq_len))
     return GenerateRunner(model, Sampler("lm", CompilationMode.NONE, monitor),
                           LogprobsMode.RAW, buckets)  # fmt: skip
 
 
-def transformers_next(directory: Path) -> Callable[[list[int]], torch.Tensor]:
-    """transformers' logits after a sequence, from the model in ``directory``."""
+def transformers_next(
+    directory: Path, weights: str = "same"
+) -> Callable[[list[int]], torch.Tensor]:
+    """transformers' logits after a sequence, from the model in ``directory`` (its linear
+    layers converted to ``weights`` as the service converts its own)."""
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    convert_linears(reference, weights)
 
     def logits(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
@@ -145,17 +150,19 @@ def prefill(runner: GenerateRunner, row: int, ids: list[int]) -> torch.Tensor:
     return logits[0]
 
 
-def equals_transformers(runner: GenerateRunner, directory: Path) -> None:
-    """``runner``'s logits are transformers' within 1e-4 over a 40-token prompt (three
+def equals_transformers(
+    runner: GenerateRunner, directory: Path, weights: str = "same", atol: float = 1e-4
+) -> None:
+    """``runner``'s logits are transformers' within ``atol`` over a 40-token prompt (three
     chunks) and 8 decode steps batched beside a second row, and its 64 greedy tokens alone
-    are transformers' argmax ones."""
-    ref_next = transformers_next(directory)
+    are transformers' argmax ones (transformers' linears converted to ``weights`` too)."""
+    ref_next = transformers_next(directory, weights)
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 1000, (40,), generator=gen).tolist()  # three chunks of 16
     other = torch.randint(0, 1000, (21,), generator=gen).tolist()
     with torch.inference_mode():
         got = prefill(runner, 0, prompt)
-        assert (got - ref_next(prompt)).abs().max() <= 1e-4
+        assert (got - ref_next(prompt)).abs().max() <= atol
         prefill(runner, 1, other)
         ids, extra = list(prompt), list(other)
         for step in range(8):  # teacher-forced decode, batched beside row 1
@@ -165,8 +172,8 @@ def equals_transformers(runner: GenerateRunner, directory: Path) -> None:
             both = runner.pad_decode([token, step + 5], [len(ids) - 1, len(extra) - 1],
                                      Origin.WARMUP)  # fmt: skip
             got = both[0]
-            assert (got - ref_next(ids)).abs().max() <= 1e-4, f"decode step {step}"
-            assert (both[1] - ref_next(extra)).abs().max() <= 1e-4, f"row 1, step {step}"
+            assert (got - ref_next(ids)).abs().max() <= atol, f"decode step {step}"
+            assert (both[1] - ref_next(extra)).abs().max() <= atol, f"row 1, step {step}"
 
         # 64 greedy tokens alone (row 0 again, from the start), against transformers' argmax
         mine = [int(prefill(runner, 0, prompt).argmax())]
