@@ -19,13 +19,12 @@ import torch
 from inference_api.plan import CompilationMode
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.models import aoti
-from inference_svc.models.aoti import AotiGraph, Family, inductor_options
-from tests.test_aoti_graph import KeptDir
+from inference_svc.models.aoti import AotiGraph, inductor_options
+from tests.test_aoti_graph import ROWS, KeptDir
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = Family("rows", lambda a: {"batch": a[0].shape[0]}, lambda d, a: ({0: d["batch"]},))
 
 
 class Wide(torch.nn.Module):
@@ -44,6 +43,22 @@ class Wide(torch.nn.Module):
 
 def weight_bytes(module: torch.nn.Module) -> int:
     return sum(p.nbytes for p in module.parameters())
+
+
+def relaid(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with its matrices laid out otherwise: the same values, other strides."""
+    for p in module.parameters():
+        if p.dim() == 2:
+            p.data = p.data.t().contiguous().t()
+    return module
+
+
+def wide_graph(module: torch.nn.Module, root: Path) -> AotiGraph:
+    """``module``'s unfrozen package, found in or built into ``root``."""
+    options = inductor_options(CompilationMode.DEFAULT, freeze=False)
+    g = AotiGraph(module, ROWS, "wide", options, KeptDir(root), CompileMonitor(), lambda: module)
+    g.ranges = {"batch": (2, 8)}
+    return g
 
 
 def anon_bytes() -> int:
@@ -67,15 +82,10 @@ def measure_load(root: str, relayout: bool) -> None:
     with torch.no_grad():
         expected = module(x)
         if relayout:
-            for p in module.parameters():
-                if p.dim() == 2:
-                    p.data = p.data.t().contiguous().t()
+            relaid(module)
         gc.collect()
         before = anon_bytes()
-        options = inductor_options(CompilationMode.DEFAULT, freeze=False)
-        g = AotiGraph(module, ROWS, "wide", options, KeptDir(Path(root)), CompileMonitor(),
-                      lambda: module)  # fmt: skip
-        g.ranges = {"batch": (2, 8)}
+        g = wide_graph(module, Path(root))
         grew = anon_bytes() - before
         same = torch.allclose(g(x), expected, atol=1e-5)
     print(json.dumps({"source": g.source, "grew": grew, "same": same, "log": records}))
@@ -98,11 +108,7 @@ def loaded(root: Path, relayout: bool) -> dict:
 def build(module: torch.nn.Module, root: Path) -> None:
     x = torch.randn(3, 1024)
     with torch.no_grad():
-        g = AotiGraph(
-            module, ROWS, "wide", inductor_options(CompilationMode.DEFAULT, freeze=False),
-            KeptDir(root), CompileMonitor(), lambda: module,
-        )  # fmt: skip
-        g.ranges = {"batch": (2, 8)}
+        g = wide_graph(module, root)
         assert torch.allclose(g(x), module(x), atol=1e-5)
         assert g.source == "built"
 
@@ -125,14 +131,7 @@ def test_an_unfrozen_package_shares_the_models_weights(tmp_path: Path, caplog) -
     # A model whose weights are laid out otherwise (same values, other strides) cannot lend
     # them, and the package has no copy: it does not load, saying which constant, and is
     # built again (a start never sees this: the kept artifacts' key has the weights and code).
-    other = Wide().eval()
-    for p in other.parameters():
-        if p.dim() == 2:
-            p.data = p.data.t().contiguous().t()
-    refused = AotiGraph(
-        other, ROWS, "wide", inductor_options(CompilationMode.DEFAULT, freeze=False),
-        KeptDir(tmp_path), CompileMonitor(), lambda: other,
-    )  # fmt: skip
+    refused = wide_graph(relaid(Wide().eval()), tmp_path)
     assert refused.source == "" and refused._run is None
     assert re.search(
         r"does not load \(WeightsMismatch\('(up|down)\.weight: left to the model at build "

@@ -66,13 +66,19 @@ class Constants:
         )
 
 
-def _config(z: zipfile.ZipFile) -> str | None:
-    """The package's weight record; None when its weights are inside its library."""
+def _record(z: zipfile.ZipFile) -> tuple[str, dict[str, list]] | None:
+    """The archive's root folder and its weight record (name -> [file, shape, strides,
+    offset]); None when the package keeps its weights inside its library (built frozen)."""
     configs = [n for n in z.namelist() if n.endswith(_CONFIG)]
     if not configs:
         return None
     (config,) = configs  # ValueError for an archive of several models: not one of ours
-    return config
+    return config[: -len(_CONFIG)], json.loads(z.read(config))
+
+
+def _stored(z: zipfile.ZipFile, root: str, file: str) -> torch.Tensor:
+    """One of the package's own weight files."""
+    return torch.load(io.BytesIO(z.read(f"{root}{_WEIGHTS}{file}")), weights_only=True)
 
 
 def _own(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -99,11 +105,10 @@ def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constant
     keeps its weights inside its library (built frozen). WeightsMismatch when the package
     left a constant to the model and the model does not hold it so."""
     with zipfile.ZipFile(path) as z:
-        config = _config(z)
-        if config is None:
+        record = _record(z)
+        if record is None:
             return None
-        records: dict[str, list] = json.loads(z.read(config))
-        root = config[: -len(_CONFIG)]
+        root, records = record
         shared_names = root + _SHARED
         left: dict[str, list] = {}
         if shared_names in z.namelist():
@@ -114,21 +119,19 @@ def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constant
         for name in names:
             file, shape, stride, offset = records[name]
             tensor = mine.get(name)
-            if name in left:
-                dtype = left[name][0]
-                if not _lends(tensor, shape, stride) or str(tensor.dtype) != dtype:
-                    held = "nothing" if tensor is None else _described(tensor)
-                    raise WeightsMismatch(
-                        f"{name}: left to the model at build ({dtype} {shape}, strides "
-                        f"{stride}); the model holds {held}"
-                    )
-            if _lends(tensor, shape, stride):
+            lends = _lends(tensor, shape, stride)
+            if name in left and not (lends and str(tensor.dtype) == left[name][0]):
+                held = "nothing" if tensor is None else _described(tensor)
+                raise WeightsMismatch(
+                    f"{name}: left to the model at build ({left[name][0]} {shape}, strides "
+                    f"{stride}); the model holds {held}"
+                )
+            if lends:
                 out[name] = tensor
                 shared += tensor.nbytes
                 continue
             if file not in stored:
-                data = io.BytesIO(z.read(f"{root}{_WEIGHTS}{file}"))
-                stored[file] = torch.load(data, weights_only=True)
+                stored[file] = _stored(z, root, file)
             out[name] = stored[file].as_strided(shape, stride, offset)
             own += out[name].nbytes
     return Constants(out, shared, own)
@@ -139,11 +142,10 @@ def strip_shared(path: Path, module: torch.nn.Module) -> int:
     (every constant stored in the file: same name, dtype, shape, strides and values), and
     list what was left out. Returns the bytes removed; 0 for a frozen package."""
     with zipfile.ZipFile(path) as z:
-        config = _config(z)
-        if config is None:
+        record = _record(z)
+        if record is None:
             return 0
-        records: dict[str, list] = json.loads(z.read(config))
-        root = config[: -len(_CONFIG)]
+        root, records = record
         mine = _own(module)
         by_file: dict[str, list[str]] = defaultdict(list)
         for name, record in records.items():
@@ -153,7 +155,7 @@ def strip_shared(path: Path, module: torch.nn.Module) -> int:
         for file, names in by_file.items():
             if not all(_lends(mine.get(n), *records[n][1:3]) for n in names):
                 continue
-            data = torch.load(io.BytesIO(z.read(f"{root}{_WEIGHTS}{file}")), weights_only=True)
+            data = _stored(z, root, file)
             views = {n: data.as_strided(*records[n][1:4]) for n in names}
             if all(mine[n].dtype == v.dtype and torch.equal(mine[n], v) for n, v in views.items()):
                 drop.add(f"{root}{_WEIGHTS}{file}")
