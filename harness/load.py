@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 
 from harness.replicas import UPSTREAM_HEADER
+from inference_api.resets import aio_interceptors
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_api.stubs.inference.v1 import inference_pb2_grpc
 
@@ -61,7 +62,9 @@ class Load(threading.Thread):
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        async with grpc.aio.insecure_channel(self.target, options=self.options) as channel:
+        async with grpc.aio.insecure_channel(
+            self.target, options=self.options, interceptors=aio_interceptors()
+        ) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             await asyncio.gather(*(self._client(stub, KINDS[i % 4]) for i in range(self.clients)))
 

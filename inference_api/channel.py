@@ -15,9 +15,10 @@ Generate and GenerateStream are never retried by this config: a sampled completi
 twice is two completions, and a stream may have delivered half its tokens. (gRPC's own
 transparent retry still resends any call that never reached a server's application.)
 
-Used by inference-cli, the README's Python example and the tests::
+Used by inference-cli, the README's Python example and the tests, with the interceptors of
+inference_api/resets.py (a stream a proxy cut when its replica died ends UNAVAILABLE)::
 
-    channel = grpc.insecure_channel(target, options=channel_options())
+    channel = intercept(grpc.insecure_channel(target, options=channel_options()))
 """
 
 from __future__ import annotations

@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from inference_api.channel import channel_options
 from inference_api.names import DEFAULT_PORT, HEALTH_INFERENCE
+from inference_api.resets import intercept
 from inference_api.stubs.inference.v1 import inference_pb2, inference_pb2_grpc
 
 EXIT_OK = 0
@@ -89,13 +90,14 @@ def _to_dict(msg: Message) -> dict[str, Any]:
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """A channel to --addr: plaintext, or TLS when --tls-ca is given (with a client
     certificate when --tls-cert and --tls-key are); round_robin over the addresses the
-    target names, idempotent calls retried (inference_api/channel.py)."""
+    target names, idempotent calls retried (inference_api/channel.py), a stream reset by a
+    proxy ended UNAVAILABLE (inference_api/resets.py)."""
     if not args.tls_ca:
-        return grpc.insecure_channel(args.addr, options=channel_options())
+        return intercept(grpc.insecure_channel(args.addr, options=channel_options()))
     cert = Path(args.tls_cert).read_bytes() if args.tls_cert else None
     key = Path(args.tls_key).read_bytes() if args.tls_key else None
     creds = grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes(), key, cert)
-    return grpc.secure_channel(args.addr, creds, options=channel_options())
+    return intercept(grpc.secure_channel(args.addr, creds, options=channel_options()))
 
 
 def _check_once(args: argparse.Namespace, timeout: float) -> tuple[int, str]:
