@@ -76,7 +76,13 @@ def requests_by_rpc(
 ) -> Counter[str]:
     """inference_requests_total on a /metrics, per rpc, over every status code (or one);
     or another per-rpc ``metric`` (inference_requests_in_flight)."""
-    text = get(f"http://127.0.0.1:{metrics_port}/metrics")
+    return rpc_counts(get(f"http://127.0.0.1:{metrics_port}/metrics"), code, metric)
+
+
+def rpc_counts(
+    text: str, code: str | None = None, metric: str = "inference_requests_total"
+) -> Counter[str]:
+    """requests_by_rpc of a /metrics text already read."""
     out: Counter[str] = Counter()
     for family in text_string_to_metric_families(text):
         for s in family.samples:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
-from inference_svc.models.loading import load_causal_lm_parts
+from inference_svc.models.loading import _read_cached, _write_cached, load_causal_lm_parts
 
 pytestmark = pytest.mark.unit
 
@@ -28,3 +31,27 @@ def test_converting_a_causal_lm_leaves_transformers_output_registry_as_it_was(
     finally:
         dict.clear(_CAN_RECORD_REGISTRY)
         dict.update(_CAN_RECORD_REGISTRY, saved)
+
+
+def test_replicas_converting_into_one_cache_at_once_all_load_and_leave_one_copy(
+    tiny_lm_dir: Path, tmp_path: Path
+) -> None:
+    # Replicas sharing a cache volume (compose's scale profile) start together and each
+    # converts the model; each container's server can have the same process id. Threads of
+    # one process stand in for them: same pid, same moment.
+    config, state, tokenizer = load_causal_lm_parts(tiny_lm_dir, None)
+    for round_ in range(5):
+        cached = tmp_path / f"round{round_}" / "model-0123"
+        barrier = threading.Barrier(3)
+
+        def write(cached: Path, barrier: threading.Barrier) -> None:
+            barrier.wait()
+            _write_cached(cached, config, state, tokenizer)
+
+        with ThreadPoolExecutor(3) as pool:
+            for done in [pool.submit(write, cached, barrier) for _ in range(3)]:
+                done.result()  # none raised
+        assert (cached / "complete").exists()
+        assert sorted(p.name for p in cached.parent.iterdir()) == ["model-0123"]  # no tmp left
+        _, read, _ = _read_cached(cached)
+        assert read.keys() <= state.keys() and all(torch.equal(read[k], state[k]) for k in read)

@@ -69,15 +69,8 @@ if [ ${#need[@]} -gt 0 ]; then
     apt-get update -q >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${need[@]}" >&2
 fi
-started_dockerd=""
-if ! docker info >/dev/null 2>&1; then
-    mkdir -p .cache
-    log "starting dockerd (log: .cache/dockerd.log)"
-    dockerd >.cache/dockerd.log 2>&1 &
-    started_dockerd=$!
-    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-    docker info >/dev/null 2>&1 || { log "dockerd did not come up"; tail -20 .cache/dockerd.log >&2; exit 1; }
-fi
+# shellcheck source=deploy/docker/dockerd.sh
+source deploy/docker/dockerd.sh
 stage "tools + dockerd"
 
 compose=(docker-compose -p "$PROJECT" -f docker-compose.yml)

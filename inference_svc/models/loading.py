@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -156,8 +157,8 @@ def load_causal_lm_parts(
     if cached is not None:
         try:
             _write_cached(cached, hf.config, state, tokenizer)
-        except OSError as exc:
-            log.warning("could not cache the converted model in %s: %s", cached, exc)
+        except Exception as exc:  # the cache only saves time: serve without it
+            log.warning("could not cache the converted model in %s: %r", cached, exc)
     return hf.config, state, tokenizer
 
 
@@ -193,9 +194,10 @@ def _write_cached(
 ) -> None:
     from safetensors.torch import save_file
 
-    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    # A directory of its own: replicas sharing the cache volume convert at the same time,
+    # and a process id does not tell them apart (each container's server may be pid 7).
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}.tmp-"))
     data = config.to_dict()
     data.pop("quantization_config", None)
     (tmp / "config.json").write_text(json.dumps(data, indent=1))
@@ -206,6 +208,14 @@ def _write_cached(
     save_file(tensors, str(tmp / "model.safetensors"))
     tokenizer.save_pretrained(str(tmp))
     (tmp / "complete").write_text("ok\n")
-    shutil.rmtree(cached, ignore_errors=True)
-    tmp.rename(cached)
+    if cached.exists() and not (cached / "complete").exists():
+        shutil.rmtree(cached, ignore_errors=True)  # a leftover without its marker
+    try:
+        tmp.rename(cached)  # fails where another process's copy is already in place
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (cached / "complete").exists():
+            raise
+        log.info("the converted model was cached by another process in %s", cached)
+        return
     log.info("cached the converted model in %s", cached)
