@@ -67,11 +67,14 @@ class Cluster:
     load: Load | None = None
     healthy_at: float = 0.0  # when Envoy had the first three in its pool
     names: Iterator[int] = field(default_factory=lambda: iter(range(100)))
+    started: list[Replica] = field(default_factory=list)  # every one, stopped at the end
 
     def add(self, n: int, warm: bool = True) -> list[Replica]:
         """``n`` new replicas at once, on the next ports Envoy lists."""
         named = [(f"r{next(self.names)}", self.spare_ports.pop(0)) for _ in range(n)]
-        return Replica.start_many(self.log_dir, self.args, named, warm=warm, env=REPLICA_ENV)
+        reps = Replica.start_many(self.log_dir, self.args, named, warm=warm, env=REPLICA_ENV)
+        self.started += reps
+        return reps
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +105,7 @@ def cluster(tmp_path_factory, tiny_embed_dir, tiny_lm_dir) -> Iterator[Cluster]:
         if c.load is not None:
             c.load.stop()
         pool.shutdown()
-        if c.joining is not None and c.joining.exception() is None:
-            joined = c.joining.result().replica
-            c.replicas += [joined] if joined not in c.replicas else []
-        for rep in c.replicas + c.standby:
+        for rep in c.started:  # the 4th too, whether its scenario ran, passed or not
             rep.stop()
         envoy.stop()
 
