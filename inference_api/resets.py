@@ -42,17 +42,26 @@ def cut_details(details: str | None) -> str:
     return f"{CUT_DETAILS}: {details}"
 
 
+def seen(code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
+    """A call's (code, details) as a client of the service sees them: a proxy's reset as
+    UNAVAILABLE, anything else as it is."""
+    if is_proxy_reset(code, details):
+        return grpc.StatusCode.UNAVAILABLE, cut_details(details)
+    return code, details
+
+
 # --- grpc.aio ----------------------------------------------------------------------------
 
 
 def _aio_error(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
     if not is_proxy_reset(err.code(), err.details()):
         return err
+    code, details = seen(err.code(), err.details())
     return grpc.aio.AioRpcError(
-        grpc.StatusCode.UNAVAILABLE,
+        code,
         err.initial_metadata(),
         err.trailing_metadata(),
-        details=cut_details(err.details()),
+        details=details,
         debug_error_string=err.debug_error_string(),
     )
 
@@ -85,12 +94,10 @@ class _AioStream(grpc.aio.UnaryStreamCall):
         return await self._call.trailing_metadata()
 
     async def code(self) -> grpc.StatusCode:
-        code, details = await self._call.code(), await self._call.details()
-        return grpc.StatusCode.UNAVAILABLE if is_proxy_reset(code, details) else code
+        return seen(await self._call.code(), await self._call.details())[0]
 
     async def details(self) -> str:
-        code, details = await self._call.code(), await self._call.details()
-        return cut_details(details) if is_proxy_reset(code, details) else details
+        return seen(await self._call.code(), await self._call.details())[1]
 
     async def debug_error_string(self) -> str:
         return await self._call.debug_error_string()
@@ -132,47 +139,14 @@ def aio_interceptors() -> list[grpc.aio.ClientInterceptor]:
 # --- synchronous grpc ---------------------------------------------------------------------
 
 
-class StreamCut(grpc.RpcError, grpc.Call):
-    """What a synchronous stream cut by a proxy raises: an RpcError whose code is UNAVAILABLE;
-    the rest (metadata, debug string) is the original error's."""
-
-    def __init__(self, err: Any) -> None:
-        super().__init__(cut_details(err.details()))
-        self._err = err
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return cut_details(self._err.details())
-
-    def initial_metadata(self) -> Any:
-        return self._err.initial_metadata()
-
-    def trailing_metadata(self) -> Any:
-        return self._err.trailing_metadata()
-
-    def debug_error_string(self) -> str:
-        return self._err.debug_error_string()
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        return False
-
-
-class _SyncStream(grpc.Call):
-    """A synchronous stream (the stub's response iterator and Call), its errors and status
-    seen through StreamCut."""
+class _SyncStream(grpc.RpcError, grpc.Call):
+    """A synchronous stream (the stub's response iterator and Call), its status seen through
+    ``seen``. Like grpc's own call object, it is also the error its iteration raises: grpc
+    raises the call itself when a stream fails, and a proxy's reset is raised as this
+    wrapper, whose code() and details() say UNAVAILABLE."""
 
     def __init__(self, call: Any) -> None:
+        super().__init__()
         self._call = call
 
     def __iter__(self) -> Iterator[Any]:
@@ -183,16 +157,17 @@ class _SyncStream(grpc.Call):
             return next(self._call)
         except grpc.RpcError as err:
             if is_proxy_reset(err.code(), err.details()):
-                raise StreamCut(err) from None
+                raise self from None
             raise
 
+    def __str__(self) -> str:
+        return f"<stream ended {self.code()}: {self.details()}>"
+
     def code(self) -> grpc.StatusCode:
-        code = self._call.code()
-        return grpc.StatusCode.UNAVAILABLE if is_proxy_reset(code, self._call.details()) else code
+        return seen(self._call.code(), self._call.details())[0]
 
     def details(self) -> str:
-        details = self._call.details()
-        return cut_details(details) if is_proxy_reset(self._call.code(), details) else details
+        return seen(self._call.code(), self._call.details())[1]
 
     def initial_metadata(self) -> Any:
         return self._call.initial_metadata()

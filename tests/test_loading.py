@@ -55,3 +55,18 @@ def test_replicas_converting_into_one_cache_at_once_all_load_and_leave_one_copy(
         assert sorted(p.name for p in cached.parent.iterdir()) == ["model-0123"]  # no tmp left
         _, read, _ = _read_cached(cached)
         assert read.keys() <= state.keys() and all(torch.equal(read[k], state[k]) for k in read)
+
+
+def test_a_conversion_that_fails_to_cache_leaves_no_partial_copy(
+    tiny_lm_dir: Path, tmp_path: Path
+) -> None:
+    config, state, _ = load_causal_lm_parts(tiny_lm_dir, None)
+
+    class Full:  # a tokenizer whose files do not fit on the volume
+        def save_pretrained(self, path: str) -> None:
+            raise OSError(28, "No space left on device")
+
+    cached = tmp_path / "model-0123"
+    with pytest.raises(OSError, match="No space"):
+        _write_cached(cached, config, state, Full())
+    assert list(tmp_path.iterdir()) == []  # neither the cache nor a temporary copy

@@ -40,13 +40,18 @@ def log(msg: str) -> None:
 class Compose:
     def __init__(self, project: str) -> None:
         self.project = project
+        self._cids: dict[str, str] = {}
 
     def cid(self, service: str) -> str:
-        out = subprocess.run(
-            ["docker-compose", "-p", self.project, "-f", "docker-compose.yml", "ps", "-q", service],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        return out.stdout.strip()
+        """Its container's id, asked once: a restart keeps the container (and its id)."""
+        if not self._cids.get(service):
+            out = subprocess.run(
+                ["docker-compose", "-p", self.project, "-f", "docker-compose.yml", "ps", "-q",
+                 service],
+                capture_output=True, text=True, check=True,
+            )  # fmt: skip
+            self._cids[service] = out.stdout.strip()
+        return self._cids[service]
 
     def health(self, service: str) -> str:
         cid = self.cid(service)

@@ -198,24 +198,28 @@ def _write_cached(
     # and a process id does not tell them apart (each container's server may be pid 7).
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=f".{cached.name}.tmp-"))
-    data = config.to_dict()
-    data.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(data, indent=1))
-    tied = bool(data.get("tie_word_embeddings"))
-    tensors = {
-        k: v.detach().contiguous() for k, v in state.items() if not (tied and k == "lm_head.weight")
-    }
-    save_file(tensors, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / "complete").write_text("ok\n")
-    if cached.exists() and not (cached / "complete").exists():
-        shutil.rmtree(cached, ignore_errors=True)  # a leftover without its marker
     try:
-        tmp.rename(cached)  # fails where another process's copy is already in place
-    except OSError:
+        data = config.to_dict()
+        data.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(data, indent=1))
+        tied = bool(data.get("tie_word_embeddings"))
+        tensors = {
+            k: v.detach().contiguous()
+            for k, v in state.items()
+            if not (tied and k == "lm_head.weight")
+        }
+        save_file(tensors, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "complete").write_text("ok\n")
+        if cached.exists() and not (cached / "complete").exists():
+            shutil.rmtree(cached, ignore_errors=True)  # a leftover without its marker
+        try:
+            tmp.rename(cached)  # fails where another process's copy is already in place
+        except OSError:
+            if not (cached / "complete").exists():
+                raise
+            log.info("the converted model was cached by another process in %s", cached)
+            return
+        log.info("cached the converted model in %s", cached)
+    finally:  # a copy that did not become the cache (failed, or another's came first)
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (cached / "complete").exists():
-            raise
-        log.info("the converted model was cached by another process in %s", cached)
-        return
-    log.info("cached the converted model in %s", cached)
