@@ -3,7 +3,8 @@ warmup plan (PROFILE at the largest shapes, then COMPILE over every bucket) give
 transformers' logits within 1e-4 and its 64 greedy tokens (tests/test_families.py's check)
 with 0 compiles after the warmup, for one family per code path of the shared decoder.
 AOTInductor, the whole service with --compile-backend aoti: both graphs exported, eager's
-tokens, 0 late compiles, and its runner gives transformers' logits."""
+tokens, 0 late compiles, and its runner gives transformers' logits; a restart loads the
+kept packages and compiles nothing."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_torch_compile_gives_transformers_logits_with_no_late_compile(
 async def test_aoti_serves_eagers_tokens_and_transformers_logits(family, tokenizer, tmp_path):
     """The service with --compile-backend aoti: both graphs exported (no fallback), the
     packages within 1e-4 of eager where warmup checks them, 0 late compiles under random
-    arrivals, eager's greedy and seeded tokens, and its runner gives transformers' logits."""
+    arrivals, eager's greedy and seeded tokens, and its runner gives transformers' logits.
+    A restart loads the family's kept packages: 0 compile events, eager's tokens again."""
     from inference_api.stubs.inference.v1 import inference_pb2 as pb
     from tests.rpc import serving
     from tests.test_aoti import AOTI, _proof_diffs, described
@@ -96,7 +98,8 @@ async def test_aoti_serves_eagers_tokens_and_transformers_logits(family, tokeniz
 
     directory = build(tmp_path / family, family, tokenizer, num_hidden_layers=LAYERS.get(family, 1))
     args = ["--port", "0", "--admin-port", "0", "--embed-model", "none", "--lm-model",
-            str(directory), "--compile-cache-dir", "", "--gen-max-batch", str(LIMITS.max_batch),
+            str(directory), "--compile-cache-dir", str(tmp_path / "kept"),
+            "--gen-max-batch", str(LIMITS.max_batch),
             "--max-input-tokens", str(LIMITS.max_input_tokens),
             "--max-new-tokens", str(LIMITS.max_new_tokens),
             "--prefill-chunk-tokens", str(LIMITS.prefill_chunk)]  # fmt: skip
@@ -123,3 +126,12 @@ async def test_aoti_serves_eagers_tokens_and_transformers_logits(family, tokeniz
             await asyncio.wrap_future(service.engine.compute.run(parity))
             assert (await c.inference.Info(pb.InfoRequest())).late_compile_events == 0
     assert tokens["aoti"] == tokens["eager"]
+
+    async with serving([*args, *AOTI], loaded=True) as (service, c):  # a restart
+        reports = await c.warm_and_serve()
+        assert [r.compile_events for r in reports] == [0] * len(reports), reports
+        m = (await described(c))["generative"]
+        assert m.backend == "aoti" and m.artifacts == "loaded", m
+        assert max(_proof_diffs(m.proof)) < 1e-4, m.proof
+        restarted = [list((await c.inference.Generate(r)).token_ids) for r in reqs]
+    assert restarted == tokens["eager"]
