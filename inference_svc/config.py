@@ -34,7 +34,7 @@ LM_WEIGHTS_CHOICES = (*LM_WEIGHTS, "auto")
 EMBED_DTYPES = ("same", "float32", "bfloat16", "auto")
 # How compiled modes compile (inference_svc.models.compile): AOTInductor packages, or
 # torch.compile (Dynamo) in the process.
-COMPILE_BACKENDS = ("aoti", "torch-compile")
+COMPILE_BACKENDS = ("auto", "aoti", "torch-compile")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ON_OFF = ("on", "off")
 
@@ -102,10 +102,11 @@ class ServiceConfig:
         "package, where off shares the model's own)",
     )
     compile_backend: str = setting(
-        "torch-compile",
+        "auto",
         "compiled modes: aoti (torch.export + AOTInductor packages, kept whole in "
         "--compile-cache-dir, frozen weights included; a model that does not export falls "
-        "back to torch-compile) or torch-compile (Dynamo in the process)",
+        "back to torch-compile), torch-compile (Dynamo in the process), or auto: aoti on a "
+        "CPU, torch-compile on CUDA",
         choices=COMPILE_BACKENDS,
     )
     logprobs_mode: LogprobsMode = setting(

@@ -17,6 +17,7 @@ import time
 from inference_api.plan import CompilationMode
 from inference_svc.config import ServiceConfig
 from inference_svc.engine.core import WARMING, Engine
+from inference_svc.models import cpu
 
 log = logging.getLogger("inference_svc")
 
@@ -29,7 +30,7 @@ async def precompile(config: ServiceConfig) -> int:
     if not config.compile_cache_dir:
         log.error("precompile: needs --compile-cache-dir")
         return 1
-    if config.freeze_weights and config.compile_backend != "aoti":
+    if config.freeze_weights and cpu.choices(config).backend != "aoti":
         log.error(
             "precompile: --freeze-weights on is kept only with --compile-backend aoti "
             "(torch.compile caches no frozen graph)"

@@ -36,6 +36,11 @@ def tiny_embed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_embedder(tmp_path_factory.mktemp("tiny-embed"))
 
 
+# Dynamo in the process: the compiled modes' backend where a test is about torch.compile
+# (its caches, late compiles, freezing); the default on a CPU is aoti (tests/test_aoti.py).
+TORCH_COMPILE = ("--compile-backend", "torch-compile")
+
+
 def tiny_args(tiny_embed_dir: Path, tiny_lm_dir: Path, *extra: str) -> list[str]:
     return [
         "--port",

@@ -28,6 +28,7 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.engine import artifacts
 from inference_svc.engine.artifact_key import MANIFEST, ArtifactKey, verify
 from inference_svc.engine.artifacts import CompileArtifacts, _refused_marker
+from tests.conftest import TORCH_COMPILE
 
 pytestmark = [pytest.mark.proc, pytest.mark.timeout(600)]
 TEXTS = ["kept artifacts", "a restart in seconds"]
@@ -36,6 +37,7 @@ TEXTS = ["kept artifacts", "a restart in seconds"]
 def start(tmp: Path, embed_dir: Path, cache: Path, name: str, *extra: str) -> ServiceProc:
     args = ["--port", "0", "--admin-port", "0", "--embed-model", str(embed_dir)]
     args += ["--lm-model", "none", "--embed-max-batch", "4", "--compilation-mode", "default"]
+    args += TORCH_COMPILE
     return ServiceProc(tmp, [*args, "--compile-cache-dir", str(cache), *extra], name=name)
 
 
@@ -213,7 +215,7 @@ def test_generative_restart_compiles_nothing_and_gives_the_same_tokens(
     cache = tmp_path / "compile-cache"
     args = ["--port", "0", "--admin-port", "0", "--embed-model", "none"]
     args += ["--lm-model", str(tiny_lm_dir), "--max-input-tokens", "32", "--max-new-tokens", "16"]
-    args += ["--compilation-mode", "default", "--compile-cache-dir", str(cache)]
+    args += ["--compilation-mode", "default", "--compile-cache-dir", str(cache), *TORCH_COMPILE]
     prompts = ["a", "a longer prompt of several words to cross a chunk bucket or two"]
     answers, events = [], []
     for name in ("cold", "warm"):
@@ -243,7 +245,7 @@ def test_precompile_fills_the_cache_a_service_then_loads(tmp_path, tiny_embed_di
     flags: exit 0, artifacts kept; the service started later loads them."""
     cache = tmp_path / "compile-cache"
     flags = ["--embed-model", str(tiny_embed_dir), "--lm-model", "none"]
-    flags += ["--embed-max-batch", "4", "--compilation-mode", "default"]
+    flags += ["--embed-max-batch", "4", "--compilation-mode", "default", *TORCH_COMPILE]
     flags += ["--compile-cache-dir", str(cache)]
     pre = Proc([str(BIN / "inference-svc"), "precompile", *flags], tmp_path / "precompile.log")
     assert pre.popen.wait(timeout=500) == 0, pre.tail()

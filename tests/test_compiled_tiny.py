@@ -12,7 +12,7 @@ import torch
 
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import tiny_args
+from tests.conftest import TORCH_COMPILE, tiny_args
 from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
@@ -81,7 +81,7 @@ async def serves_like_eager(service, c, eager_results) -> None:
 async def test_compiled_mode_has_no_late_compiles(tiny_embed_dir, tiny_lm_dir, eager_results):
     # Counts compile events: graphs another test compiled in this process would not count.
     torch._dynamo.reset()
-    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *TORCH_COMPILE)
     async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())
         kinds = [(s.step, s.model) for s in described.required_steps]
@@ -142,7 +142,13 @@ async def test_freeze_weights_on_freezes_the_graphs(
     # guards do not cover inductor's config (one process serves one configuration).
     torch._dynamo.reset()
     args = tiny_args(
-        tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", "--freeze-weights", "on"
+        tiny_embed_dir,
+        tiny_lm_dir,
+        "--compilation-mode",
+        "default",
+        "--freeze-weights",
+        "on",
+        *TORCH_COMPILE,
     )
     async with serving(args, loaded=True) as (service, c):
         reports = await c.warm_and_serve()
@@ -161,7 +167,8 @@ async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
     its vectors are eager's; bfloat16 linears change the tokens, so those are not compared."""
     torch._dynamo.reset()  # see test_freeze_weights_on_freezes_the_graphs
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "max-autotune",
-                     "--freeze-weights", "on", "--lm-weights", "bfloat16")  # fmt: skip
+                     "--freeze-weights", "on", "--lm-weights", "bfloat16",
+                     *TORCH_COMPILE)  # fmt: skip
     try:
         async with serving(args, loaded=True) as (service, c):
             reports = await c.warm_and_serve()

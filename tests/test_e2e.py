@@ -198,10 +198,10 @@ def test_restart_in_the_middle_of_warmup(tmp_path: Path, tiny_embed_dir, tiny_lm
     """SIGKILL during each compiled warmup step (COMPILE embedding, COMPILE generative,
     SAMPLER), a new process each time on the same ports: the sidecar warms each new one and
     health never says SERVING for a process that has not run its steps."""
-    from tests.conftest import tiny_args
+    from tests.conftest import TORCH_COMPILE, tiny_args
 
     port, admin_port = free_ports(2)
-    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default")
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *TORCH_COMPILE)
     args += ["--port", str(port), "--admin-port", str(admin_port)]
     procs = [ServiceProc(tmp_path, args, name="svc0")]
     ctl = sidecar(tmp_path, procs[0])

@@ -27,7 +27,7 @@ from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.embedding import load_embedding
 from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
-from tests.conftest import tiny_args
+from tests.conftest import TORCH_COMPILE, tiny_args
 from tests.models import build_tiny_embedder
 from tests.rpc import serving
 
@@ -289,7 +289,7 @@ async def test_compiled_decoder_equals_eager_with_no_late_compile(models) -> Non
     async with serving(args(built.directory), warm=True) as (_service, c):
         eager = await embed_all(c, built)
     torch._dynamo.reset()  # counts compile events: graphs of other tests do not count
-    compiled = args(built.directory, "--compilation-mode", "default")
+    compiled = args(built.directory, "--compilation-mode", "default", *TORCH_COMPILE)
     async with serving(compiled, loaded=True) as (_service, c):
         reports = await c.warm_and_serve()
         # One graph for every bucket (dynamic shapes): more would be a bucket recompiled.

@@ -22,6 +22,7 @@ from inference_svc.models.generative import load_generative
 from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
 from inference_svc.models.weights import convert_linears
 from inference_svc.sampling import Sampler
+from tests.conftest import TORCH_COMPILE
 
 pytestmark = pytest.mark.rpc
 LIMITS = GenLimits(max_batch=2, max_input_tokens=48, max_new_tokens=72, prefill_chunk=16)
@@ -288,7 +289,8 @@ async def test_a_service_compiled_serves_eagers_tokens_with_no_late_compile(
     ]
     tokens = {}
     for mode in ("none", "default"):
-        async with serving([*args, "--compilation-mode", mode], warm=True) as (service, c):
+        flags = [*args, "--compilation-mode", mode, *TORCH_COMPILE]
+        async with serving(flags, warm=True) as (service, c):
             tokens[mode] = [list((await c.inference.Generate(r)).token_ids) for r in reqs]
             if mode == "default":
                 await random_arrivals_compile_nothing(service, c, seed=5, count=12)

@@ -11,7 +11,7 @@ import torch
 from grpc_health.v1 import health_pb2
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from tests.conftest import tiny_args
+from tests.conftest import TORCH_COMPILE, tiny_args
 from tests.rpc import serving
 
 pytestmark = pytest.mark.rpc
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.rpc
 async def test_late_compile_is_counted_and_handled(tiny_embed_dir, tiny_lm_dir, policy, caplog):
     args = tiny_args(
         tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", "--lm-model", "none",
-        "--on-late-compile", policy,
+        "--on-late-compile", policy, *TORCH_COMPILE,
     )  # fmt: skip
     async with serving(args, warm=True) as (_service, c):
         await c.inference.Embed(pb.EmbedRequest(inputs=["warm", "path"]))

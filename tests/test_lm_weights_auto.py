@@ -60,9 +60,22 @@ def test_a_named_scheme_is_kept_as_it_is(monkeypatch) -> None:
     fake(monkeypatch, NO_VECTOR)
     for scheme in LM_WEIGHTS:
         assert cpu.choose_lm_weights(scheme, CPU) == cpu.WeightsChoice(scheme)
-        config = parse_config(["--lm-weights", scheme])
+        config = parse_config(["--lm-weights", scheme, "--compile-backend", "torch-compile"])
         same = cpu.WeightsChoice("same")
-        assert cpu.resolve(config) == (config, cpu.Choices(cpu.WeightsChoice(scheme), same))
+        named = cpu.Choices(cpu.WeightsChoice(scheme), same, "torch-compile")
+        assert cpu.resolve(config) == (config, named)
+
+
+def test_the_compile_backend_auto_is_aoti_on_a_cpu_and_torch_compile_on_cuda() -> None:
+    """--compile-backend auto (the default) becomes aoti on a CPU, torch-compile on a CUDA
+    device; a named backend is kept; the resolved config names no "auto"."""
+    assert parse_config([]).compile_backend == "auto"
+    assert cpu.choose_compile_backend("auto", CPU) == "aoti"
+    assert cpu.choose_compile_backend("auto", torch.device("cuda")) == "torch-compile"
+    for named in ("aoti", "torch-compile"):
+        assert cpu.choose_compile_backend(named, torch.device("cuda")) == named
+    config, auto = cpu.resolve(parse_config(["--device", "cpu"]))
+    assert config.compile_backend == auto.backend == "aoti"
 
 
 def test_every_rule_keeps_agreement_with_float32() -> None:
@@ -132,6 +145,8 @@ def test_the_kept_artifacts_key_names_the_resolved_scheme(
         numerics = store.key.fields["numerics"]
         assert f"lm_weights={scheme} " in numerics and "lm_weights=auto" not in numerics
         assert "embed_dtype=auto" not in numerics
+        # --compile-backend auto (the default) on a CPU: the key names aoti.
+        assert store.key.fields["mode"] == "default backend=aoti freeze=False"
     finally:
         store.close()
     # The same key as the scheme named outright.

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from inference_api.stubs.inference.v1 import admin_pb2 as apb
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.models.weights import BFloat16Linear, Int4Linear, convert_linears, numerics
-from tests.conftest import tiny_args
+from tests.conftest import TORCH_COMPILE, tiny_args
 from tests.rpc import serving
 from tests.test_batching import mixed_arrivals, shapes_ran_and_listed
 
@@ -82,7 +82,8 @@ def test_numerics_names_what_the_graphs_compute_in() -> None:
 async def test_each_option_is_declared_and_compiled_before_serving(
     tiny_embed_dir, tiny_lm_dir, option
 ) -> None:
-    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *option)
+    args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *TORCH_COMPILE,
+                     *option)  # fmt: skip
     want = "float32+int4-linear" if option[1] == "int4" else "bfloat16"
     async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())

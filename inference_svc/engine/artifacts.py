@@ -239,22 +239,22 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     """The kept artifacts a configuration uses, or None when nothing is kept."""
     if config.compilation_mode is CompilationMode.NONE or not config.compile_cache_dir:
         return None
-    aoti = config.compile_backend == "aoti"
+    from inference_svc.models.cpu import choices  # the key names what runs, never "auto"
+
+    auto = choices(config)
+    aoti = auto.backend == "aoti"
     if config.freeze_weights and not aoti:
         log.info(
             "--freeze-weights on: compiled artifacts are not kept (torch 2.13 caches no "
             "frozen graph); this start compiles every graph"
         )
         return None
-    from inference_svc.models.cpu import choices  # the key names what runs, never "auto"
-
     shapes = {name: getattr(config, name) for name in SHAPE_SETTINGS}
-    auto = choices(config)
     numerics = (
         f"device={config.device} dtype={config.dtype} lm_weights={auto.lm.scheme} "
         f"embed_dtype={auto.embed.scheme} logprobs={config.logprobs_mode.value}"
     )
-    mode = f"{config.compilation_mode.value} backend={config.compile_backend}"
+    mode = f"{config.compilation_mode.value} backend={auto.backend}"
     if aoti:
         mode += f" freeze={config.freeze_weights}"
     key = make_key(mode, numerics, shapes, model_dirs)

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from inference_api.plan import CompilationMode
 from inference_svc.config import ServiceConfig
 from inference_svc.models.loading import pick_device
 
@@ -148,29 +149,47 @@ def _choose(
     return WeightsChoice("same", tag, reason.format(isa=caps.isa))
 
 
+def choose_compile_backend(setting: str, device: torch.device) -> str:
+    """``setting`` itself, or for "auto": aoti on a CPU (its packages are kept whole, frozen
+    and autotuned ones included, and a restart runs no Dynamo: docs/restarts.md), else
+    torch-compile (AOTInductor packages are not verified on a GPU by this project)."""
+    if setting != "auto":
+        return setting
+    return "aoti" if device.type == "cpu" else "torch-compile"
+
+
 @dataclass(frozen=True)
 class Choices:
-    """What each "auto" became: the LM's linear weights and the Embed model's dtype."""
+    """What each "auto" became: the LM's linear weights, the Embed model's dtype and the
+    compiled modes' backend."""
 
     lm: WeightsChoice
     embed: WeightsChoice
+    backend: str
 
 
 def choices(config: ServiceConfig) -> Choices:
     """What ``config``'s settings run as on this machine ("auto" resolved)."""
     device = pick_device(config.device)
     lm = choose_lm_weights(config.lm_weights, device)
-    return Choices(lm, choose_embed_dtype(config.embed_dtype, device))
+    backend = choose_compile_backend(config.compile_backend, device)
+    return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend)
 
 
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
-    """``config`` with a concrete ``lm_weights`` and ``embed_dtype``, and the choices; logs
-    each auto's reason."""
+    """``config`` with a concrete ``lm_weights``, ``embed_dtype`` and ``compile_backend``,
+    and the choices; logs each auto's reason."""
     auto = choices(config)
     lm, embed = auto.lm, auto.embed
     if lm.auto:
         log.info("--lm-weights auto: %s (%s)", lm.scheme, lm.reason)
     if embed.auto:
         log.info("--embed-dtype auto: %s (%s)", embed.scheme, embed.reason)
-    config = dataclasses.replace(config, lm_weights=lm.scheme, embed_dtype=embed.scheme)
+    compiled = config.compilation_mode is not CompilationMode.NONE
+    if compiled and config.compile_backend == "auto":
+        where = pick_device(config.device).type
+        log.info("--compile-backend auto: %s (a %s device)", auto.backend, where)
+    config = dataclasses.replace(
+        config, lm_weights=lm.scheme, embed_dtype=embed.scheme, compile_backend=auto.backend
+    )
     return config, auto
