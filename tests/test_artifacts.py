@@ -244,8 +244,8 @@ def test_precompile_fills_the_cache_a_service_then_loads(tmp_path, tiny_embed_di
     """`inference-svc precompile` (an image build stage, a Kubernetes Job) with the service's
     flags: exit 0, artifacts kept; the service started later loads them."""
     cache = tmp_path / "compile-cache"
-    flags = ["--embed-model", str(tiny_embed_dir), "--lm-model", "none"]
-    flags += ["--embed-max-batch", "4", "--compilation-mode", "default", *TORCH_COMPILE]
+    flags = ["--embed-model", str(tiny_embed_dir), "--lm-model", "none", *TORCH_COMPILE]
+    flags += ["--embed-max-batch", "4", "--compilation-mode", "default"]
     flags += ["--compile-cache-dir", str(cache)]
     pre = Proc([str(BIN / "inference-svc"), "precompile", *flags], tmp_path / "precompile.log")
     assert pre.popen.wait(timeout=500) == 0, pre.tail()
