@@ -164,7 +164,7 @@ class AotiGraph:
         self.monitor.record(f"aoti/{self.name}")
         start = time.perf_counter()
         dims = {  # a range of one size is static (export refuses a Dim with min == max)
-            d: torch.export.Dim(d, min=lo, max=hi) if lo < hi else None
+            d: torch.export.Dim(d, min=lo, max=hi) if lo < hi else torch.export.Dim.STATIC
             for d, (lo, hi) in self.ranges.items()
         }
         shapes = self.family.dynamic_shapes(dims, args)
@@ -219,7 +219,7 @@ def _widened(args: Args, shapes: Any) -> Args:
             return type(arg)(widen(a, s) for a, s in zip(arg, shape, strict=True))
         if isinstance(arg, torch.Tensor) and isinstance(shape, dict):
             for dim, spec in shape.items():
-                if spec is not None and arg.shape[dim] == 1:
+                if isinstance(spec, torch.export.Dim) and arg.shape[dim] == 1:
                     arg = torch.cat([arg, arg], dim)
         return arg
 
