@@ -239,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the compiled services' --freeze-weights (on: results in compiled-frozen.*)",
     )  # fmt: skip
     p.add_argument(
-        "--backend", choices=("torch-compile", "aoti"), default="torch-compile",
-        help="the compiled services' --compile-backend",
+        "--backend", choices=("auto", "torch-compile", "aoti"), default="auto",
+        help="the compiled services' --compile-backend (auto, the service's default: aoti "
+        "on a CPU)",
     )  # fmt: skip
     p.add_argument("--streams", default="1,8", help="Generate concurrencies measured")
     add_quick_flags(p)
