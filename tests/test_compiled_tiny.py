@@ -161,18 +161,20 @@ async def test_freeze_weights_on_freezes_the_graphs(
 async def test_max_autotune_frozen_bf16_linears_leaves_no_late_compiles(
     tiny_embed_dir, tiny_lm_dir, eager_results
 ):
-    """The fastest Generate configuration measured (bench/compiled.py): max-autotune picks
-    among inductor's own GEMM templates and oneDNN for every linear layer. The warmup still
+    """The fastest Generate configuration measured (bench/compiled.py), with the default
+    backend (AOTInductor packages on a CPU): max-autotune picks among inductor's own GEMM
+    templates and oneDNN for every linear layer of the frozen packages. The warmup still
     covers every path (0 late compiles, only Describe's shapes); Embed stays float32, so
     its vectors are eager's; bfloat16 linears change the tokens, so those are not compared."""
     torch._dynamo.reset()  # see test_freeze_weights_on_freezes_the_graphs
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "max-autotune",
-                     "--freeze-weights", "on", "--lm-weights", "bfloat16",
-                     *TORCH_COMPILE)  # fmt: skip
+                     "--freeze-weights", "on", "--lm-weights", "bfloat16")  # fmt: skip
     try:
         async with serving(args, loaded=True) as (service, c):
             reports = await c.warm_and_serve()
             assert sum(r.compile_events for r in reports) >= 3
+            described = await c.admin.Describe(apb.DescribeRequest())
+            assert [m.backend for m in described.models] == ["aoti", "aoti"], described
             vectors, tokens = await run_workload(c)
             await random_arrivals_compile_nothing(service, c, seed=12, count=16)
             assert torch.allclose(torch.tensor(vectors), torch.tensor(eager_results[0]), atol=1e-3)
