@@ -54,9 +54,9 @@ def seen(code: grpc.StatusCode, details: str) -> tuple[grpc.StatusCode, str]:
 
 
 def _aio_error(err: grpc.aio.AioRpcError) -> grpc.aio.AioRpcError:
-    if not is_proxy_reset(err.code(), err.details()):
-        return err
     code, details = seen(err.code(), err.details())
+    if code == err.code():  # not a proxy's reset: the error as it came
+        return err
     return grpc.aio.AioRpcError(
         code,
         err.initial_metadata(),
