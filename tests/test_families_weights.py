@@ -32,8 +32,9 @@ def test_each_weight_format_reaches_every_familys_linears(
     assert not [m for m in layers if type(m) is nn.Linear], "a linear layer left in float32"
     int4 = [m for m in layers if isinstance(m, Int4Linear)]
     bf16 = [m for m in layers if isinstance(m, BFloat16Linear)]
-    if weights == "int4":  # every projection without a bias; the head stays in bfloat16
-        assert len(int4) == (0 if family == "llama-biases" else 7 * 2), (len(int4), len(bf16))
+    if weights == "int4":  # every projection without a bias (q/k/v fused, gate/up fused: 4
+        # a layer); the head stays in bfloat16
+        assert len(int4) == (0 if family == "llama-biases" else 4 * 2), (len(int4), len(bf16))
     else:
         assert not int4 and bf16
     equals_transformers(runner, directory, weights, atol=1e-4)

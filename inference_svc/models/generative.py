@@ -248,6 +248,7 @@ def load_generative(
         raise ValueError(f"weights do not fit: missing {missing[:5]}")
     del state
     lm = lm.to(device=ctx.device, dtype=ctx.dtype).eval()
+    lm.fuse()  # after the state is gone: the loaded parts are freed as they are fused
     convert_linears(lm, weights)
     eos = _eos_ids(directory, (config, text), tokenizer)
     return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why)
