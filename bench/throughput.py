@@ -17,7 +17,7 @@ Prints a table, writes bench/results/throughput.json and throughput.png (tokens/
 streams, one line per system).
 
   .venv/bin/python bench/throughput.py [--modes none,default] [--streams 1,2,4,8,16]
-                                       [--tokens 64] [--no-peers]
+                                       [--tokens 64] [--no-peers] [--service-args '...']
   .venv/bin/python bench/throughput.py --quick --lm-model DIR   # smoke run: mode none,
       1 and 2 streams, 8 tokens, transformers peer only, results in a temp dir
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -244,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64, help="new tokens per stream")
     p.add_argument("--no-peers", action="store_true", help="the service only")
     p.add_argument("--replot", action="store_true", help="table and plot of the last results")
+    p.add_argument("--service-args", default="",
+                   help="more inference-svc flags, one string (e.g. '--lm-weights int4 "
+                        "--freeze-weights on --compile-cache-dir DIR': a kept directory "
+                        "spares every arm the compile)")  # fmt: skip
     add_quick_flags(p)
     a = p.parse_args(argv)
     out = results_dir(a)
@@ -256,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         a.modes, a.streams, a.tokens = "none", "1,2", 8
     streams = [int(n) for n in a.streams.split(",")]
     results: dict = {"tokens": a.tokens, "threads": cpu_threads(), "systems": {}}
-    models, lm = model_args(a), a.lm_model or "default"
+    models, lm = model_args(a) + shlex.split(a.service_args), a.lm_model or "default"
     arms = [(f"service ({m})", lambda m=m: service_arm(m, streams, a.tokens, models))
             for m in a.modes.split(",")]  # fmt: skip
     if not a.no_peers and not a.quick:  # llama-server runs the packaged GGUF only

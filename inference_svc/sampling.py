@@ -112,6 +112,7 @@ class Sampler:
     def __init__(self, model: str, mode: CompilationMode, monitor: CompileMonitor) -> None:
         self.model = model
         self.monitor = monitor
+        self.compiled_greedy = mode is not CompilationMode.NONE  # else eager argmax
         self._greedy = compile_fn(greedy_tokens, mode)
         self._process = compile_fn(processed_logits, mode)
         self._scale = compile_fn(scaled_logits, mode)

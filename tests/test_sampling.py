@@ -120,3 +120,55 @@ def test_a_batch_without_top_k_or_top_p_skips_the_sort_and_samples_the_same_toke
     slow = SamplingMetadata(fast.temperature, fast.top_k, neighbour, seeded())
     assert not fast.filters and slow.filters
     assert s(logits, slow).tokens.tolist() == s(logits, fast).tokens.tolist()
+
+
+def runner_over(logits: torch.Tensor, mode: CompilationMode = CompilationMode.NONE):
+    """A GenerateRunner whose logits buffer is ``logits`` (a model of numbers only: the
+    runner's sample() reads nothing else of it)."""
+    from types import SimpleNamespace
+
+    from inference_svc.engine.buckets import GenBuckets
+    from inference_svc.engine.runner import GenerateRunner
+    from inference_svc.limits import GenLimits
+
+    rows, vocab = logits.shape
+    lm = SimpleNamespace(shape=SimpleNamespace(vocab_size=vocab))
+    model = SimpleNamespace(cache_rows=rows, device=torch.device("cpu"), lm=lm)
+    buckets = GenBuckets.plan(GenLimits(rows, 8, 8, 8), CompilationMode.NONE)
+    runner = GenerateRunner(model, Sampler("t", mode, CompileMonitor()), LogprobsMode.RAW, buckets)
+    runner.rows()
+    runner._logits.copy_(logits)
+    return runner
+
+
+def seq_at(row: int, **params):
+    from inference_svc.engine.scheduler import Sequence
+    from inference_svc.engine.types import GenerateParams
+
+    seq = Sequence([1], GenerateParams("p", (), **params), lambda chunk: None)
+    seq.row = row
+    return seq
+
+
+def test_greedy_rows_take_the_argmax_with_or_without_the_sampler_call():
+    """A batch of greedy rows asking for no logprobs skips the sampler (mode none): the
+    same tokens as the sampler's greedy path; logprobs, or a sampling row, still call it."""
+    logits = torch.randn(8, VOCAB, generator=torch.Generator().manual_seed(3))
+    want = logits.argmax(-1).tolist()
+    fast = runner_over(logits)
+    assert fast._plain_argmax
+    greedy = [seq_at(r) for r in (0, 2, 5)]
+    drawn = fast.sample(greedy)
+    assert [(s.row, t) for s, t, _ in drawn] == [(r, want[r]) for r in (0, 2, 5)]
+    slow = runner_over(logits)
+    slow._plain_argmax = False
+    assert [t for _, t, _ in slow.sample(greedy)] == [t for _, t, _ in drawn]
+    # logprobs asked: the sampler runs and reads them back
+    asks = seq_at(1, logprobs=2)
+    (seq, token, out), *_ = fast.sample([asks, seq_at(4)])
+    assert token == want[1]
+    sampled = fast.read_back(seq, token, out)
+    assert sampled.logprob is not None and len(sampled.top) == 2
+    # a sampling row beside a greedy one: the greedy row's token is the argmax still
+    mixed = fast.sample([seq_at(6), seq_at(7, temperature=1.0, seed=5)])
+    assert mixed[0][1] == want[6]

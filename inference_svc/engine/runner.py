@@ -46,6 +46,13 @@ def sampling_metadata(
     )
 
 
+def _plain_greedy(params: GenerateParams) -> bool:
+    return params.temperature <= 0 and params.logprobs <= 0
+
+
+_NOTHING_MORE = SamplerOutput(torch.empty(0, dtype=torch.long))  # the tokens are read back
+
+
 def random_logits(batch: int, vocab: int, gen: torch.Generator, device: torch.device) -> Tensor:
     """Logits for sampler warmup: random, not zeros (zeros would tie every token)."""
     return (torch.randn(batch, vocab, generator=gen) * 3).to(device)
@@ -63,6 +70,12 @@ class GenerateRunner:
         self.logprobs_mode = mode
         self._buckets = buckets
         self._logits: Tensor | None = None  # [rows, vocab]
+        # Where the sampler's greedy path is eager (mode none; the eager sampler beside
+        # AOTInductor packages), a batch of greedy rows asking for no logprobs takes the
+        # argmax at once: no metadata tensors, no sampler call. It is the same op, so the
+        # same tokens; each tensor op between two decode steps runs on caches the step's
+        # weights just flushed (~70 us each on an AVX-512 EPYC, 5 when warm).
+        self._plain_argmax = not sampler.compiled_greedy
         self.request_shapes: set[Bucket] = set()  # what requests ran (tests check vs Describe)
 
     @property
@@ -94,6 +107,9 @@ class GenerateRunner:
         m = self.model
         assert self._logits is not None
         batch = self.buckets.sampler_batch(max(s.row for s in seqs) + 1)
+        if self._plain_argmax and all(_plain_greedy(s.params) for s in seqs):
+            tokens = self._logits[:batch].argmax(dim=-1).tolist()
+            return [(s, tokens[s.row], _NOTHING_MORE) for s in seqs]
         params: list[GenerateParams | None] = [None] * batch
         gens: dict[int, torch.Generator] = {}
         for s in seqs:

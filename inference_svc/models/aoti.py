@@ -270,10 +270,26 @@ class Package:
         self.weights = weights  # the tensors an unfrozen package runs on: alive as long as it
         _, out_spec = loader.get_call_spec()
         self.out_spec = pytree.treespec_loads(out_spec)
+        self._one = self.out_spec.is_leaf()  # one tensor out (every graph of ours)
 
     def __call__(self, *args: Any) -> Any:
-        flat = [x for x in pytree.tree_leaves(args) if isinstance(x, torch.Tensor)]
-        return pytree.tree_unflatten(self.loader.boxed_run(flat), self.out_spec)
+        out = self.loader.boxed_run(_tensors(args))
+        return out[0] if self._one else pytree.tree_unflatten(out, self.out_spec)
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    """The tensors of ``args`` in pytree's order: a loop over tuples and lists (a graph's
+    arguments and its KV-cache lists), pytree for anything else; pytree itself cost 23 us
+    a decode step on the LM's 65 arguments, a sixth of what a step adds to its package."""
+    flat: list[torch.Tensor] = []
+    for x in args:
+        if isinstance(x, torch.Tensor):
+            flat.append(x)
+        elif isinstance(x, list | tuple):
+            flat.extend(_tensors(x))
+        else:
+            flat.extend(t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor))
+    return flat
 
 
 @contextlib.contextmanager

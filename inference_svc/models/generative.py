@@ -103,6 +103,7 @@ class GenerativeModel:
         self._prefill = ctx.compile(_Prefill(lm), PREFILL)
         self._decode = ctx.compile(_Decode(lm), DECODE)
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
+        self._aranges: dict[int, Tensor] = {}
         self.k_cache: list[Tensor] | None = None
         self.v_cache: list[Tensor] | None = None
 
@@ -186,7 +187,7 @@ class GenerativeModel:
         d = self.device
         with self.monitor.context(self.name, f"prefill/{origin.value}", str(shape)):
             tokens, positions = tokens.to(d), positions.to(d)
-            slots = torch.arange(shape.context_len, device=d)
+            slots = self._slots(shape.context_len)
             which = torch.tensor([row], device=d)
             if self._marks(self._prefill):
                 self._vary(tokens, positions, dim=1)  # the chunk's width
@@ -202,11 +203,18 @@ class GenerativeModel:
         d = self.device
         with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
             ids, positions = ids.to(d), positions.to(d)
-            slots = torch.arange(shape.context_len, device=d)
+            slots = self._slots(shape.context_len)
             if self._marks(self._decode):
                 self._vary(ids, positions, dim=0)  # the batch
                 self._vary_context(slots)
             return self._decode(ids, positions, slots, self.k_cache, self.v_cache)
+
+    def _slots(self, context: int) -> Tensor:
+        """arange(context): one tensor per context bucket, made once (no graph writes it)."""
+        slots = self._aranges.get(context)
+        if slots is None:
+            slots = self._aranges[context] = torch.arange(context, device=self.device)
+        return slots
 
     def _marks(self, graph: object) -> bool:
         """Whether a call of ``graph`` marks its varying dimensions: only where Dynamo may
