@@ -27,6 +27,7 @@ EXPECTED: dict[str, list[str]] = {
         rf"\| no-sidecar \| Generate logprobs=2 \| {NUM} \| {NUM} \| {NUM} \|",
     ],
     "compiled.py": [rf"float32\s+32\s+{NUM}", rf"float32\s+8\s+{NUM}"],
+    "decode_attention.py": [rf"\s+1\s+64\s+{NUM}\s+{NUM}", r"max diff"],
     "decode_step.py": [
         r"memory read bandwidth",
         rf"int4\s+aoti\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}",
