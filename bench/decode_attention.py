@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -99,6 +100,9 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
 
 def build(directory: Path):
     from torch.utils.cpp_extension import load_inline
+
+    # torch runs `ninja` from PATH: the one pip put beside this interpreter, if not on it
+    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
 
     directory.mkdir(parents=True, exist_ok=True)
     return load_inline(
