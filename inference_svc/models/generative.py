@@ -102,8 +102,8 @@ class GenerativeModel:
         # does. One class each: torch keys a package on the function's qualified name.
         self._prefill = ctx.compile(_Prefill(lm), PREFILL)
         self._decode = ctx.compile(_Decode(lm), DECODE)
+        self._aranges: dict[int, Tensor] = {}  # arange(context) per context bucket (_slots)
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
-        self._aranges: dict[int, Tensor] = {}
         self.k_cache: list[Tensor] | None = None
         self.v_cache: list[Tensor] | None = None
 

@@ -61,7 +61,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """q, k and v become one layer (rows in that order): one product per step where
-        there were three, each reading the same input (see LlamaLM.from_state)."""
+        there were three, each reading the same input (see LlamaLM.fuse)."""
         self.qkv_proj = fused_linear(self.q_proj, self.k_proj, self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
