@@ -8,7 +8,8 @@ One decode step's attention for SmolLM2's layout (3 KV heads, 3 query heads each
 them: cold), eager: SDPA as ``LlamaLM.decode`` calls it (query heads grouped per KV head, a
 boolean mask up to each row's position), against a 40-line C++ kernel built here with
 ``torch.utils.cpp_extension.load_inline`` (``-O3 -march=native``, one task per row and KV
-head, scores, softmax and the weighted sum of values in one pass over the cache). Prints
+head, scores, softmax and the weighted sum of values in one pass over the cache), the two
+timed in turns (bench/in_process.py's interleaved medians). Prints
 microseconds a layer for each and the time the cache's bytes take at the machine's measured
 read bandwidth, and the largest difference between the two. The kernel is a measurement of
 what a decode attention of our own could gain (it is not called by the service: a custom op
@@ -21,10 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import add_quick_flags, results_dir  # noqa: E402
 from bench.decode_step import bandwidth_gib_s  # noqa: E402
+from bench.in_process import interleaved  # noqa: E402
 
 KV, GROUP, HEAD = 3, 3, 64
 KERNEL = r"""
@@ -112,17 +112,6 @@ def build(directory: Path):
     )  # fmt: skip
 
 
-def per_layer_us(fn, calls: int, layers: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6 / layers
-
-
 def measure(ext, batch: int, slots: int, layers: int, calls: int, gib_s: float) -> dict:
     gen = torch.Generator().manual_seed(0)
     rows, capacity = batch + 1, slots + 1
@@ -146,11 +135,16 @@ def measure(ext, batch: int, slots: int, layers: int, calls: int, gib_s: float) 
     want = F.scaled_dot_product_attention(q, ks[0][:batch, :, :slots], vs[0][:batch, :, :slots],
                                           attn_mask=mask)  # fmt: skip
     got = ext.decode_attention(q, ks[0], vs[0], pos, slots, scale)
+    arms = {"sdpa": sdpa, "plain": plain}
+    for fn in arms.values():
+        for _ in range(5):  # warm: first calls allocate
+            fn()
+    ms = interleaved(arms, [0], calls, lambda fn, _: fn())
     cache_bytes = 2 * batch * KV * slots * HEAD * 4
     return {
         "batch": batch, "slots": slots,
-        "sdpa_us": per_layer_us(sdpa, calls, layers),
-        "plain_us": per_layer_us(plain, calls, layers),
+        "sdpa_us": ms[("sdpa", 0)] * 1e3 / layers,
+        "plain_us": ms[("plain", 0)] * 1e3 / layers,
         "bytes_us": cache_bytes / (gib_s * 2**30) * 1e6,
         "max_diff": float((want - got).abs().max()),
     }  # fmt: skip
@@ -159,7 +153,7 @@ def measure(ext, batch: int, slots: int, layers: int, calls: int, gib_s: float) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="1x256,1x1024,8x256,16x256,16x512", help="BATCHxSLOTS")
-    p.add_argument("--calls", type=int, default=100, help="timed calls per arm (median)")
+    p.add_argument("--calls", type=int, default=100, help="rounds, each timing both arms (median)")
     add_quick_flags(p)
     a = p.parse_args(argv)
     out = results_dir(a)
