@@ -35,9 +35,14 @@ class Watcher(threading.Thread):
 
     def __init__(self, port: int, admin_port: int) -> None:
         super().__init__(daemon=True)
-        self.health = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        # 12 kills in a row grow a channel's reconnect backoff (up to 2 min by default), and
+        # an RPC made during it fails at once with the last "connection refused": keep it short
+        opts = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.max_reconnect_backoff_ms", 250)]
+        self.health = health_pb2_grpc.HealthStub(
+            grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+        )
         self.admin = admin_pb2_grpc.WarmupAdminStub(
-            grpc.insecure_channel(f"127.0.0.1:{admin_port}")
+            grpc.insecure_channel(f"127.0.0.1:{admin_port}", options=opts)
         )
         self.stopped = threading.Event()
         self.violations: list[str] = []
@@ -108,7 +113,7 @@ def test_kills_at_random_moments_never_serve_a_cold_process(
                 ctl.stop(signal.SIGKILL)
                 ctl = sidecar(tmp_path, svc, *fast, name="ctl-restarted")
         wait_serving(svc, timeout=120)
-        last = watcher.admin.Describe(apb.DescribeRequest(), timeout=5)
+        last = watcher.admin.Describe(apb.DescribeRequest(), timeout=10, wait_for_ready=True)
         assert last.boot_id == svc.boot_id
         time.sleep(0.5)
     finally:
