@@ -35,6 +35,7 @@ EMBED_DTYPES = ("same", "float32", "bfloat16", "auto")
 # How compiled modes compile (inference_svc.models.compile): AOTInductor packages, or
 # torch.compile (Dynamo) in the process.
 COMPILE_BACKENDS = ("auto", "aoti", "torch-compile")
+DECODE_ATTENTIONS = ("auto", "native", "sdpa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ON_OFF = ("on", "off")
 
@@ -108,6 +109,13 @@ class ServiceConfig:
         "back to torch-compile), torch-compile (Dynamo in the process), or auto: aoti on a "
         "CPU, torch-compile on CUDA",
         choices=COMPILE_BACKENDS,
+    )
+    decode_attention: str = setting(
+        "auto",
+        "a decode step's attention: native (a C++ kernel of this project, built once per CPU "
+        "and torch and kept in --compile-cache-dir or the user's cache), sdpa (torch's), or "
+        "auto: native on a CPU with a C++ compiler, else sdpa",
+        choices=DECODE_ATTENTIONS,
     )
     logprobs_mode: LogprobsMode = setting(
         LogprobsMode.RAW, "logprobs of the raw logits or of the processed distribution"

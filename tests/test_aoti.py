@@ -1,5 +1,6 @@
 """--compile-backend aoti on tiny models: the service serves what eager serves with 0 late
-compiles, Describe names the backend and the proof, a restart loads the kept packages with
+compiles, Describe names the backend and the proof, the decode package calls the native
+attention kernel, a restart loads the kept packages (and the kernel) with
 0 compile events, a corrupt package is refused by name, and every LM weight format
 exports."""
 
@@ -44,6 +45,10 @@ async def test_aoti_serves_like_eager_and_a_restart_loads_its_packages(
             assert max(_proof_diffs(m.proof)) < 1e-4, m.proof
         assert "prefill" in models["generative"].proof and "decode" in models["generative"].proof
         await serves_like_eager(service, c, eager_results)
+        # the decode package calls this project's attention kernel (the default on a CPU),
+        # whose library is kept beside the packages
+        assert service.engine.runtimes["generative"].model.lm.decode_attention == "native"
+        assert [p.suffix for p in (tmp_path / "kernels").iterdir()] == [".so"]
         entry = service.engine.artifacts.entry
         key = service.engine.artifacts.store.key
     packages = sorted(p.name for p in (entry / "aoti").iterdir())

@@ -117,10 +117,10 @@ def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:
     return directory
 
 
-def ours(directory: Path, weights: str = "same") -> GenerateRunner:
+def ours(directory: Path, weights: str = "same", attention: str = "native") -> GenerateRunner:
     monitor = CompileMonitor()
     ctx = ModelContext("lm", CompilationMode.NONE, monitor, torch.device("cpu"), torch.float32)
-    model = load_generative(ctx, directory, LIMITS, weights=weights)
+    model = load_generative(ctx, directory, LIMITS, weights=weights, attention=attention)
     buckets = GenBuckets.plan(LIMITS, CompilationMode.NONE)
     model.allocate_cache(buckets.rows_for(2 * LIMITS.max_seq_len))
     return GenerateRunner(model, Sampler("lm", CompilationMode.NONE, monitor),
@@ -186,10 +186,25 @@ def equals_transformers(
     assert mine == want
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_logits_and_greedy_tokens_equal_transformers(family, tokenizer, tmp_path) -> None:
+# torch's SDPA in the decode step too (--decode-attention sdpa, a GPU's path) where the two
+# attentions differ most: no window, a window on every layer, local and global layers
+SDPA_TOO = ("qwen3", "mistral-window", "gemma3_text")
+
+
+@pytest.mark.parametrize(
+    ("family", "attention"),
+    [(f, "native") for f in sorted(FAMILIES)] + [(f, "sdpa") for f in SDPA_TOO],
+)
+def test_logits_and_greedy_tokens_equal_transformers(
+    family, attention, tokenizer, tmp_path
+) -> None:
+    """The decode step on this project's attention kernel (the default on a CPU, where a
+    family allows it) or on torch's SDPA gives transformers' logits and tokens."""
     directory = build(tmp_path, family, tokenizer)
-    equals_transformers(ours(directory), directory)
+    runner = ours(directory, attention=attention)
+    want = "sdpa" if family == "gemma2" else attention  # capped scores: SDPA's path only
+    assert runner.model.lm.decode_attention == want
+    equals_transformers(runner, directory)
 
 
 def test_a_sharded_checkpoint_loads_whole(tokenizer, tmp_path) -> None:

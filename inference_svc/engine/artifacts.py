@@ -252,7 +252,8 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     shapes = {name: getattr(config, name) for name in SHAPE_SETTINGS}
     numerics = (
         f"device={config.device} dtype={config.dtype} lm_weights={auto.lm.scheme} "
-        f"embed_dtype={auto.embed.scheme} logprobs={config.logprobs_mode.value}"
+        f"embed_dtype={auto.embed.scheme} logprobs={config.logprobs_mode.value} "
+        f"attention={auto.attention}"
     )
     mode = f"{config.compilation_mode.value} backend={auto.backend}"
     if aoti:

@@ -198,9 +198,11 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
         c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
     )
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
+    kernels = Path(c.compile_cache_dir).expanduser() / "kernels" if c.compile_cache_dir else None
     model = load_generative(
-        env.context(NAME), directory, limits, cache, c.lm_weights, env.lm_weights_auto
-    )
+        env.context(NAME), directory, limits, cache, c.lm_weights, env.lm_weights_auto,
+        c.decode_attention, kernels,
+    )  # fmt: skip
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)
     return GenerativeRuntime(

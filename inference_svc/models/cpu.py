@@ -158,14 +158,26 @@ def choose_compile_backend(setting: str, device: torch.device) -> str:
     return "aoti" if device.type == "cpu" else "torch-compile"
 
 
+def choose_decode_attention(setting: str, device: torch.device) -> str:
+    """``setting`` itself, or for "auto": native on a CPU that can build the kernel (a C++
+    compiler, as AOTInductor needs; inference_svc/kernels), else sdpa (torch's kernel: the
+    native one has no GPU implementation)."""
+    if setting != "auto":
+        return setting
+    from inference_svc import kernels
+
+    return "native" if device.type == "cpu" and kernels.available() else "sdpa"
+
+
 @dataclass(frozen=True)
 class Choices:
-    """What each "auto" became: the LM's linear weights, the Embed model's dtype and the
-    compiled modes' backend."""
+    """What each "auto" became: the LM's linear weights, the Embed model's dtype, the
+    compiled modes' backend and the decode step's attention."""
 
     lm: WeightsChoice
     embed: WeightsChoice
     backend: str
+    attention: str = "sdpa"
 
 
 def choices(config: ServiceConfig) -> Choices:
@@ -173,12 +185,13 @@ def choices(config: ServiceConfig) -> Choices:
     device = pick_device(config.device)
     lm = choose_lm_weights(config.lm_weights, device)
     backend = choose_compile_backend(config.compile_backend, device)
-    return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend)
+    attention = choose_decode_attention(config.decode_attention, device)
+    return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend, attention)
 
 
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
-    """``config`` with a concrete ``lm_weights``, ``embed_dtype`` and ``compile_backend``,
-    and the choices; logs each auto's reason."""
+    """``config`` with a concrete ``lm_weights``, ``embed_dtype``, ``compile_backend`` and
+    ``decode_attention``, and the choices; logs each auto's reason."""
     auto = choices(config)
     lm, embed = auto.lm, auto.embed
     if lm.auto:
@@ -189,7 +202,10 @@ def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
     if compiled and config.compile_backend == "auto":
         where = pick_device(config.device).type
         log.info("--compile-backend auto: %s (a %s device)", auto.backend, where)
+    if config.decode_attention == "auto":
+        log.info("--decode-attention auto: %s", auto.attention)
     config = dataclasses.replace(
-        config, lm_weights=lm.scheme, embed_dtype=embed.scheme, compile_backend=auto.backend
-    )
+        config, lm_weights=lm.scheme, embed_dtype=embed.scheme, compile_backend=auto.backend,
+        decode_attention=auto.attention,
+    )  # fmt: skip
     return config, auto

@@ -111,6 +111,16 @@ class Attention(nn.Module):
             )
         return self.o_proj(out.reshape(b, 1, heads * d))
 
+    def attend_cache(self, q: Tensor, k: Tensor, v: Tensor, where: Tensor, window: int) -> Tensor:
+        """``attend_one`` by this project's kernel (inference_svc/kernels): each row to the
+        slots up to its position ``where`` [B] (and no further back than ``window``, if set),
+        no mask tensor; the query heads grouped per KV head as there."""
+        b, heads, _, d = q.shape
+        grouped = q.reshape(b, k.shape[1], heads // k.shape[1], d)
+        scale = self.s.attn_scale if self.s.attn_scale is not None else d**-0.5
+        out = torch.ops.inference.decode_attention(grouped, k, v, where, window, scale)
+        return self.o_proj(out.reshape(b, 1, heads * d))
+
 
 class MLP(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
@@ -230,6 +240,19 @@ class LlamaLM(nn.Module):
         # of ``_cos_sin``'s rope tables: 1 = the local one (Gemma 3).
         self._local = tuple(int(x) for x in s.sliding_layers) or (0,) * s.num_layers
         self._rope_of = tuple(int(x) for x in s.local_rope_layers) or (0,) * s.num_layers
+        # decode's attention: torch's SDPA, or "native" (Attention.attend_cache; set by the
+        # loader once the kernel is registered, for a model it supports: native_unsupported)
+        self.decode_attention = "sdpa"
+
+    def native_unsupported(self, device: torch.device, dtype: torch.dtype) -> str:
+        """Why the native decode attention cannot run this model ("" when it can)."""
+        if device.type != "cpu":
+            return f"no {device.type} kernel"
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"no {dtype} kernel"
+        if self.shape.attn_softcap is not None:
+            return "the model caps its attention scores (softcap)"
+        return ""
 
     @staticmethod
     def _inv_freq(freq: tuple[float, ...]) -> Tensor:
@@ -361,15 +384,22 @@ class LlamaLM(nn.Module):
         h = self._embed(input_ids)
         ropes = self._ropes(positions, h.dtype)
         b, n = input_ids.shape[0], slots.shape[0]
-        masks = tuple(m[:, None, None, :] for m in self._masks(slots[None, :], positions))
-        rows = torch.arange(b, device=h.device)  # masks: [B, 1, 1, L]
+        native = self.decode_attention == "native"
+        masks = () if native else self._masks(slots[None, :], positions)
+        masks = tuple(m[:, None, None, :] for m in masks)  # [B, 1, 1, L]
+        rows = torch.arange(b, device=h.device)
         where = positions[:, 0]
+        windows = (0, self.shape.sliding_window or 0)
         for i, layer in enumerate(self.model.layers):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), *ropes[self._rope_of[i]])
             keys, values = k_cache[i], v_cache[i]
             keys[rows, :, where] = k[:, :, 0]
             values[rows, :, where] = v[:, :, 0]
-            out = attn.attend_one(q, keys[:b, :, :n], values[:b, :, :n], masks[self._local[i]])
+            seen_k, seen_v = keys[:b, :, :n], values[:b, :, :n]
+            if native:
+                out = attn.attend_cache(q, seen_k, seen_v, where, windows[self._local[i]])
+            else:
+                out = attn.attend_one(q, seen_k, seen_v, masks[self._local[i]])
             h = self._mlp_block(layer, h, out)
         return self._logits(h[:, -1])

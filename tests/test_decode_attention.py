@@ -1,0 +1,127 @@
+"""This project's decode attention kernel (inference_svc/kernels, --decode-attention native):
+torch's SDPA's results for every layout the service gives it (float32 and bfloat16, head
+sizes on and off the vector path, one to many query heads per KV head, rows of different
+lengths, one long row split over threads, sliding windows); an op torch.export keeps whole and
+an AOTInductor package calls; what auto picks; a library kept and loaded, not rebuilt.
+(Model-level parity with transformers on both attentions: tests/test_families.py.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_svc import kernels
+from inference_svc.models.cpu import choose_decode_attention
+
+pytestmark = pytest.mark.rpc
+
+
+@pytest.fixture(scope="module", autouse=True)
+def op() -> None:
+    kernels.load()
+
+
+def sdpa(q, k, v, pos, window: int, scale: float) -> torch.Tensor:
+    """What the decode step computes without the kernel (LlamaLM.decode's masks)."""
+    slots = torch.arange(k.shape[2])
+    mask = slots[None] <= pos[:, None]
+    if window:
+        mask &= slots[None] > pos[:, None] - window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None], scale=scale)
+
+
+CASES = {  # name: (rows, kv heads, query heads per kv head, head size, slots, window)
+    "one-row-long": (1, 1, 3, 64, 700, 0),  # one task alone: split in chunks over threads
+    "rows-of-lengths": (5, 3, 3, 64, 96, 0),
+    "window": (4, 2, 2, 64, 80, 17),
+    "head-128-mha": (2, 4, 1, 128, 50, 0),
+    "head-24-generic": (3, 2, 2, 24, 40, 0),
+    "head-24-window": (3, 2, 2, 24, 40, 8),
+    "one-slot": (2, 1, 4, 64, 1, 0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_kernel_gives_sdpas_attention(case: str, dtype: torch.dtype) -> None:
+    b, kv, g, d, slots, window = CASES[case]
+    gen = torch.Generator().manual_seed(0)
+    # views of a larger cache, as the decode step passes them (strided, one spare row/slot)
+    k = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(dtype)
+    v = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(dtype)
+    q = torch.randn(b, kv, g, d, generator=gen).to(dtype)
+    pos = torch.randint(0, slots, (b,), generator=gen)
+    pos[0] = slots - 1
+    k, v = k[:b, :, :slots], v[:b, :, :slots]
+    scale = d**-0.5
+    got = torch.ops.inference.decode_attention(q, k, v, pos, window, scale)
+    want = sdpa(q.float(), k.float(), v.float(), pos, window, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    atol = 1e-5 if dtype == torch.float32 else 2e-2  # bfloat16 output rounding
+    assert (got.float() - want).abs().max() <= atol
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    q = torch.randn(1, 2, 2, 16)
+    k = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.inference.decode_attention(
+            q.half(), k.half(), k.half(), torch.tensor([3]), 0, 0.25
+        )
+    with pytest.raises(RuntimeError, match="one position per row"):
+        torch.ops.inference.decode_attention(q, k, k, torch.tensor([3, 4]), 0, 0.25)
+    with pytest.raises(RuntimeError, match="last dimension contiguous"):
+        t = k.transpose(2, 3)
+        torch.ops.inference.decode_attention(q[..., :8], t, t, torch.tensor([3]), 0, 0.25)
+
+
+class _Step(torch.nn.Module):
+    def forward(self, q, pos, slots, k, v):
+        b, n = q.shape[0], slots.shape[0]
+        return torch.ops.inference.decode_attention(q, k[:b, :, :n], v[:b, :, :n], pos, 0, 0.5)
+
+
+def test_export_keeps_the_op_and_an_aoti_package_calls_it(tmp_path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(9, 2, 65, 16, generator=gen) for _ in range(2))
+    args = (torch.randn(3, 2, 2, 16, generator=gen), torch.tensor([5, 63, 0]), torch.arange(64))
+    batch, context = torch.export.Dim("batch", max=8), torch.export.Dim("context", max=64)
+    dynamic = ({0: batch}, {0: batch}, {0: context}, None, None)
+    ep = torch.export.export(_Step(), (*args, k, v), dynamic_shapes=dynamic)
+    ops = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert torch.ops.inference.decode_attention.default in ops
+    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "s.pt2"))
+    run = torch._inductor.aoti_load_package(package)
+    for b, n in ((3, 64), (1, 10)):  # two points of the dynamic ranges
+        call = (args[0][:b], args[1][:b].clamp(max=n - 1), torch.arange(n), k, v)
+        assert torch.allclose(run(*call), _Step()(*call), atol=1e-6)
+
+
+def test_auto_is_native_on_a_cpu_with_a_compiler_and_sdpa_elsewhere() -> None:
+    assert kernels.available()  # this suite builds the kernel: a compiler is here
+    assert choose_decode_attention("auto", torch.device("cpu")) == "native"
+    assert choose_decode_attention("auto", torch.device("cuda")) == "sdpa"
+    assert choose_decode_attention("sdpa", torch.device("cpu")) == "sdpa"
+
+
+def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:
+    """A fresh process (a restart) pointed at a directory that holds the library loads that
+    file as it is, and the op runs there."""
+    target = kernels.load(tmp_path)  # registered already here: the library is copied in
+    before = target.stat().st_mtime_ns
+    script = (
+        "import sys, torch; from pathlib import Path; from inference_svc import kernels\n"
+        "kernels._build = lambda *a: sys.exit('rebuilt')\n"
+        "p = kernels.load(Path(sys.argv[1]))\n"
+        "q = torch.ones(1, 1, 1, 8); k = torch.ones(1, 1, 4, 8)\n"
+        "print(p.name, torch.ops.inference.decode_attention(q, k, k, torch.tensor([2]), 0, 1.0)"
+        ".sum().item())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()  # fmt: skip
+    assert out == [target.name, "8.0"]
+    assert target.stat().st_mtime_ns == before
