@@ -103,9 +103,22 @@ def test_export_keeps_the_op_and_an_aoti_package_calls_it(tmp_path) -> None:
 
 def test_auto_is_native_on_a_cpu_with_a_compiler_and_sdpa_elsewhere() -> None:
     assert kernels.available()  # this suite builds the kernel: a compiler is here
-    assert choose_decode_attention("auto", torch.device("cpu")) == "native"
-    assert choose_decode_attention("auto", torch.device("cuda")) == "sdpa"
-    assert choose_decode_attention("sdpa", torch.device("cpu")) == "sdpa"
+    cpu = torch.device("cpu")
+    assert choose_decode_attention("auto", cpu)[0] == "native"
+    assert choose_decode_attention("auto", torch.device("cuda"))[0] == "sdpa"
+    assert choose_decode_attention("sdpa", cpu)[0] == "sdpa"
+
+
+def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch) -> None:
+    """The service still starts (on torch's kernel) where the build fails; named, it fails."""
+
+    def broken(directory=None):
+        raise RuntimeError("c++: internal compiler error")
+
+    monkeypatch.setattr(kernels, "load", broken)
+    cpu = torch.device("cpu")
+    assert choose_decode_attention("auto", cpu) == ("sdpa", "the native kernel did not build")
+    assert choose_decode_attention("native", cpu)[0] == "native"  # load_generative says why
 
 
 def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:
@@ -125,3 +138,23 @@ def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:
                          text=True, timeout=120, check=True).stdout.split()  # fmt: skip
     assert out == [target.name, "8.0"]
     assert target.stat().st_mtime_ns == before
+
+
+def test_native_named_and_not_built_fails_the_load_naming_the_setting(
+    monkeypatch, tiny_lm_dir
+) -> None:
+    from inference_api.plan import CompilationMode
+    from inference_svc.compile_monitor import CompileMonitor
+    from inference_svc.limits import GenLimits
+    from inference_svc.models.compile import ModelContext
+    from inference_svc.models.generative import load_generative
+
+    def broken(directory=None):
+        raise RuntimeError("c++: internal compiler error")
+
+    monkeypatch.setattr(kernels, "load", broken)
+    ctx = ModelContext(
+        "lm", CompilationMode.NONE, CompileMonitor(), torch.device("cpu"), torch.float32
+    )
+    with pytest.raises(RuntimeError, match="--decode-attention native: .*internal compiler"):
+        load_generative(ctx, tiny_lm_dir, GenLimits(1, 8, 8, 8), attention="native")

@@ -60,9 +60,10 @@ def test_a_named_scheme_is_kept_as_it_is(monkeypatch) -> None:
     fake(monkeypatch, NO_VECTOR)
     for scheme in LM_WEIGHTS:
         assert cpu.choose_lm_weights(scheme, CPU) == cpu.WeightsChoice(scheme)
-        config = parse_config(["--lm-weights", scheme, "--compile-backend", "torch-compile"])
+        config = parse_config(["--lm-weights", scheme, "--compile-backend", "torch-compile",
+                               "--decode-attention", "sdpa"])  # fmt: skip
         same = cpu.WeightsChoice("same")
-        named = cpu.Choices(cpu.WeightsChoice(scheme), same, "torch-compile")
+        named = cpu.Choices(cpu.WeightsChoice(scheme), same, "torch-compile", "sdpa")
         assert cpu.resolve(config) == (config, named)
 
 

@@ -38,6 +38,7 @@ from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
 from inference_svc.errors import FailedPrecondition, InvalidArgument
 from inference_svc.limits import GenLimits
+from inference_svc.models.cpu import kernel_dir
 from inference_svc.models.generative import GenerativeModel, load_generative
 from inference_svc.models.loading import display_name, resolve_lm_dir
 from inference_svc.sampling import Sampler
@@ -198,10 +199,9 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
         c.gen_max_batch, c.max_input_tokens, c.max_new_tokens, c.prefill_chunk_tokens
     )
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
-    kernels = Path(c.compile_cache_dir).expanduser() / "kernels" if c.compile_cache_dir else None
     model = load_generative(
         env.context(NAME), directory, limits, cache, c.lm_weights, env.lm_weights_auto,
-        c.decode_attention, kernels,
+        c.decode_attention, kernel_dir(c),
     )  # fmt: skip
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)

@@ -36,7 +36,11 @@ _lock = threading.Lock()
 _loaded: Path | None = None  # the library this process registered the op from
 
 
-def default_dir() -> Path:
+def directory_for(compile_cache_dir: str) -> Path:
+    """Where the library is kept: beside the compiled artifacts (--compile-cache-dir), or in
+    the user's cache when they are not kept ('')."""
+    if compile_cache_dir:
+        return Path(compile_cache_dir).expanduser() / "kernels"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "inference-svc" / "kernels"
 
@@ -79,7 +83,7 @@ def load(directory: Path | None = None) -> Path:
     """Register ``torch.ops.inference.decode_attention``, building its library into
     ``directory`` (default: the user's cache) when no kept one fits. The library's path."""
     global _loaded
-    directory = directory or default_dir()
+    directory = directory or directory_for("")
     target = directory / f"decode_attention-{key()}.so"
     with _lock:
         if _loaded is not None:  # registered already (from another directory: keep it here too)

@@ -158,15 +158,26 @@ def choose_compile_backend(setting: str, device: torch.device) -> str:
     return "aoti" if device.type == "cpu" else "torch-compile"
 
 
-def choose_decode_attention(setting: str, device: torch.device) -> str:
-    """``setting`` itself, or for "auto": native on a CPU that can build the kernel (a C++
-    compiler, as AOTInductor needs; inference_svc/kernels), else sdpa (torch's kernel: the
-    native one has no GPU implementation)."""
+def choose_decode_attention(
+    setting: str, device: torch.device, kernel_dir: Path | None = None
+) -> tuple[str, str]:
+    """(attention, why): ``setting`` itself, or for "auto": native on a CPU where the kernel
+    builds and loads (inference_svc/kernels: here, into ``kernel_dir``, once per CPU and
+    torch), else sdpa (torch's kernel: the native one has no GPU implementation)."""
     if setting != "auto":
-        return setting
+        return setting, "named"
+    if device.type != "cpu":
+        return "sdpa", f"a {device.type} device"
     from inference_svc import kernels
 
-    return "native" if device.type == "cpu" and kernels.available() else "sdpa"
+    if not kernels.available():
+        return "sdpa", "no C++ compiler"
+    try:
+        kernels.load(kernel_dir)
+    except Exception as e:  # the service still starts, on torch's kernel
+        log.warning("--decode-attention auto: the native kernel did not build: %s", e)
+        return "sdpa", "the native kernel did not build"
+    return "native", "a CPU with a C++ compiler"
 
 
 @dataclass(frozen=True)
@@ -185,8 +196,18 @@ def choices(config: ServiceConfig) -> Choices:
     device = pick_device(config.device)
     lm = choose_lm_weights(config.lm_weights, device)
     backend = choose_compile_backend(config.compile_backend, device)
-    attention = choose_decode_attention(config.decode_attention, device)
+    attention, _ = (  # no LM, nothing decodes: no kernel to build
+        choose_decode_attention(config.decode_attention, device, kernel_dir(config))
+        if config.lm_model != "none"
+        else ("sdpa", "no LM")
+    )
     return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend, attention)
+
+
+def kernel_dir(config: ServiceConfig) -> Path:
+    from inference_svc import kernels
+
+    return kernels.directory_for(config.compile_cache_dir)
 
 
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
