@@ -156,5 +156,5 @@ def test_native_named_and_not_built_fails_the_load_naming_the_setting(
     ctx = ModelContext(
         "lm", CompilationMode.NONE, CompileMonitor(), torch.device("cpu"), torch.float32
     )
-    with pytest.raises(RuntimeError, match="--decode-attention native: .*internal compiler"):
+    with pytest.raises(RuntimeError, match=r"--decode-attention native: .*internal compiler"):
         load_generative(ctx, tiny_lm_dir, GenLimits(1, 8, 8, 8), attention="native")
