@@ -2,11 +2,12 @@
 
   .venv/bin/python bench/decode_step.py [--weights same,bfloat16,int4] [--batches 1,8]
       [--backends eager,aoti] [--context 256] [--calls 30]
-      [--mode max-autotune] [--freeze-weights on]
+      [--mode max-autotune] [--freeze-weights on] [--attention native,sdpa]
       [--quick --lm-model DIR]   (smoke run: tiny model, batch 1 and 2, 3 calls)
 
 The service's own model code and padding: eager (mode none) and from an AOTInductor
-package (--backends aoti; built here, at the first call). Every (weights, backend) arm is
+package (--backends aoti; built here, at the first call), the decode attention this
+project's kernel or torch's SDPA (--attention). Every (weights, backend) arm is
 loaded in this process and the timed calls are interleaved round by round on the same
 inputs, so a drift of a shared machine hits every arm alike. A decode step reads every
 weight once (plus the rows' KV cache), so at small batches its floor is weight bytes /
@@ -58,11 +59,14 @@ def _timed(fn) -> float:
 def load(
     a: argparse.Namespace, weights: str, backend: str, max_batch: int, stores: list
 ) -> GenerativeModel:
-    """One arm: eager (mode none), or the same model run from an AOTInductor package."""
+    """One arm: eager (mode none), or the same model run from an AOTInductor package;
+    ``backend`` "eager" or "aoti", with ":native" or ":sdpa" for the decode attention."""
+    backend, _, attention = backend.partition(":")
     ctx, mode = arm_context(a, "lm", torch.float32, backend, stores)
     limits = GenLimits(max_batch, 512, 512, 64)
     cache = Path("~/.cache/inference-svc/models").expanduser()
-    m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights)
+    m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights,
+                        attention=attention or "native")  # fmt: skip
     m.set_ranges(GenBuckets.plan(limits, mode, aoti=backend == "aoti").ranges())
     m.allocate_cache(max_batch)
     return m
@@ -112,6 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights", default="same,bfloat16,int4", help="--lm-weights schemes")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--backends", default="eager,aoti", help="eager and/or aoti")
+    p.add_argument(
+        "--attention",
+        default="native",
+        help="native and/or sdpa: the decode step's attention (--decode-attention)",
+    )
     p.add_argument("--context", type=int, default=256, help="slots attended")
     p.add_argument("--calls", type=int, default=30, help="timed calls per point (median)")
     p.add_argument("--mode", default="max-autotune", choices=("default", "max-autotune"))
@@ -121,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.quick:
         a.weights, a.batches, a.calls, a.mode, a.context = "same,int4", "1,2", 3, "default", 32
     weights, backends = a.weights.split(","), a.backends.split(",")
+    attentions = a.attention.split(",")
+    if len(attentions) > 1:  # each backend with each attention: "aoti:native", "aoti:sdpa"
+        backends = [f"{be}:{at}" for be in backends for at in attentions]
     batches = [int(b) for b in a.batches.split(",")]
     bandwidth = bandwidth_gib_s(64 if a.quick else 512)
     print_cpu(f"; memory read bandwidth {bandwidth:.1f} GiB/s")
@@ -138,12 +150,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{base[0]} {base[1]}; /floor: over reading the weights once; packages: mode "
           f"{a.mode}, freeze {a.freeze_weights}")  # fmt: skip
     head = "".join(f" {'batch ' + str(b):>9} {'x':>5} {'/floor':>6}" for b in batches)
-    print(f"{'weights':9} {'backend':7} {'floor':>6}" + head)
+    print(f"{'weights':9} {'backend':11} {'floor':>6}" + head)
     rows = []
     for arm in models:
         cells = "".join(f" {ms[(arm, b)]:9.2f} {ms[(base, b)] / ms[(arm, b)]:5.2f} "
                         f"{ms[(arm, b)] / floors[arm]:6.2f}" for b in batches)  # fmt: skip
-        print(f"{arm[0]:9} {arm[1]:7} {floors[arm]:6.2f}" + cells)
+        print(f"{arm[0]:9} {arm[1]:11} {floors[arm]:6.2f}" + cells)
         rows += [{"weights": arm[0], "backend": arm[1], "batch": b, "ms": ms[(arm, b)],
                   "floor_ms": floors[arm], "first_call_s": first[arm]}
                  for b in batches]  # fmt: skip

@@ -87,7 +87,7 @@ def finish(
 ) -> None:  # fmt: skip
     """Print the packages' first calls (their builds) and what ``flag`` auto picks here;
     write results/NAME.json with the CPU, the rows and the arguments."""
-    builds = {f"{w} {be}": round(s, 1) for (w, be), s in first.items() if be == "aoti"}
+    builds = {f"{w} {be}": round(s, 1) for (w, be), s in first.items() if be.startswith("aoti")}
     if builds:
         print(f"first calls (package build included) seconds: {builds}")
     print(f"{flag} auto here: {choice.scheme} ({choice.reason})")
