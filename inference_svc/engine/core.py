@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from inference_api.plan import CompilationMode, ModelKind, ModelProfile, Plan, Step, StepKind, plan
+from inference_svc import kernels
 from inference_svc.compile_monitor import CompileMonitor, LateCompile
 from inference_svc.config import LateCompilePolicy, ServiceConfig
 from inference_svc.engine.compute import ComputeThread
@@ -69,6 +70,8 @@ class Engine:
     def load(self) -> None:
         """Load the configured models (blocking: run it off the event loop)."""
         self.monitor.install()
+        # this project's C++ ops (decode attention, package runs) are kept beside the artifacts
+        kernels.set_directory(self.config.compile_cache_dir)
         # --lm-weights and --embed-dtype auto become concrete here, once: the kept artifacts'
         # key and the loaders see only that; the reason goes to Describe and Info (numerics).
         self.config, auto = cpu.resolve(self.config)

@@ -38,7 +38,6 @@ from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.engine.types import GenChunk, GenerateParams, RuntimeInfo
 from inference_svc.errors import FailedPrecondition, InvalidArgument
 from inference_svc.limits import GenLimits
-from inference_svc.models.cpu import kernel_dir
 from inference_svc.models.generative import GenerativeModel, load_generative
 from inference_svc.models.loading import display_name, resolve_lm_dir
 from inference_svc.sampling import Sampler
@@ -201,7 +200,7 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
     model = load_generative(
         env.context(NAME), directory, limits, cache, c.lm_weights, env.lm_weights_auto,
-        c.decode_attention, kernel_dir(c),
+        c.decode_attention,
     )  # fmt: skip
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)

@@ -1,19 +1,24 @@
-"""Kernels of our own, compiled here once and kept (C++ against the installed torch).
+"""This project's C++ ops, compiled here once and kept (against the installed torch):
 
-``decode_attention`` (decode_attention.cpp) is ``torch.ops.inference.decode_attention``: a
-decode step's attention over the KV cache near the cache's read time, where torch's CPU SDPA
-takes 4-6x it (bench/decode_attention.py). It is a ``torch.library`` op with a fake (meta)
-implementation, so ``torch.export`` keeps it as one node and an AOTInductor package calls it
-by name at run time: the op must be registered (``load``) before such a package runs.
+- ``torch.ops.inference.decode_attention`` (decode_attention.cpp): a decode step's attention
+  over the KV cache near the cache's read time, where torch's CPU SDPA takes 2-6x it
+  (bench/decode_attention.py; ``--decode-attention native``).
+- ``torch.ops.inference.int8_linear`` (int8_linear.cpp): a product with weights in 8-bit
+  groups of 32 (GGUF's Q8_0), half of bfloat16's bytes.
+- ``torch.classes.inference.Package`` and ``torch.ops.inference.run_package`` (package.cpp):
+  an AOTInductor package run with the GIL released (models/aoti.py).
 
-The shared library is built for the CPU's vector instructions (as inductor picks them), so it is
-keyed by the source, the flags, torch's version and the CPU's flags, and kept in a
-directory (the service's --compile-cache-dir, else the user's cache): a later start loads it
-in milliseconds; the first build takes ~20-40 s on a small CPU.
+The ops have fake (meta) implementations, so ``torch.export`` keeps each as one node and an
+AOTInductor package calls it by name at run time: the library must be loaded (``load``)
+before such a package runs. It is built for the CPU's vector instructions (as inductor picks
+them), so it is keyed by the sources, the flags, torch's version and the CPU's flags, and kept
+in a directory (``set_directory``: the service's --compile-cache-dir, else the user's cache):
+a later start loads it in milliseconds; the first build takes ~15-40 s on a small CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -29,11 +34,19 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+HERE = Path(__file__).parent
+SOURCES = [HERE / f"{name}.cpp" for name in ("decode_attention", "int8_linear", "package")]
 BASE_CFLAGS = ["-O3", "-fopenmp"]
 OP = "inference::decode_attention"
 _lock = threading.Lock()
-_loaded: Path | None = None  # the library this process registered the op from
+_loaded: Path | None = None  # the library this process registered its ops from
+_directory: Path | None = None  # where load() keeps it (set_directory), else the user's cache
+
+
+def set_directory(compile_cache_dir: str) -> None:
+    """Keep the library beside the compiled artifacts from now on (the service's start)."""
+    global _directory
+    _directory = directory_for(compile_cache_dir)
 
 
 def directory_for(compile_cache_dir: str) -> Path:
@@ -55,20 +68,25 @@ def _cpu_flags() -> str:
     return ""
 
 
+# The vector instructions ATen dispatches its own kernels to on this CPU, as CPU_CAPABILITY
+# macros (at::vec in the kernels follows them) and the -m flags inductor compiles them with.
+# (Not inductor's own pick_vec_isa: it imports inductor and test-builds a library per ISA in
+# subprocesses, seconds a restart from kept packages otherwise never spends.)
+ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
+               "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}  # fmt: skip
+
+
 def cflags() -> list[str]:
-    """The vector instructions inductor picks for this CPU (AVX-512, AVX2, or none): at::vec
-    in the kernel follows its CPU_CAPABILITY macro, the -m flags let the compiler emit it."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-    isa = pick_vec_isa()
-    macros = [f"-D{m}" for m in isa.build_macro()] if isa else []
-    arch = isa.build_arch_flags().split() if isa else []
-    return [*BASE_CFLAGS, *macros, *arch]
+    return [*BASE_CFLAGS, *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
 
 
+@functools.cache
 def key() -> str:
     """What the built library depends on: source, flags, torch, the CPU's instructions."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     for part in (*cflags(), torch.__version__, sys.version, _cpu_flags()):
         h.update(part.encode())
     return h.hexdigest()[:16]
@@ -80,10 +98,11 @@ def available() -> bool:
 
 
 def load(directory: Path | None = None) -> Path:
-    """Register ``torch.ops.inference.decode_attention``, building its library into
-    ``directory`` (default: the user's cache) when no kept one fits. The library's path."""
+    """Register this project's ops (``torch.ops.inference.*``), building their library into
+    ``directory`` (default: set_directory's, else the user's cache) when no kept one fits.
+    The library's path."""
     global _loaded
-    directory = directory or directory_for("")
+    directory = directory or _directory or directory_for("")
     target = directory / f"decode_attention-{key()}.so"
     with _lock:
         if _loaded is not None:  # registered already (from another directory: keep it here too)
@@ -113,15 +132,20 @@ def _build(directory: Path, target: Path) -> None:
     # torch runs `ninja` from PATH: the one pip put beside this interpreter, if not on it
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     start = time.monotonic()
-    log.info("building the decode attention kernel into %s (once per CPU and torch)", target)
+    log.info("building this project's ops into %s (once per CPU and torch)", target)
     _publish(directory, target, lambda tmp: load(
-        name=f"inference_kernels_{key()}", sources=[str(SOURCE)], extra_cflags=cflags(),
-        extra_ldflags=["-fopenmp"], build_directory=str(tmp), is_python_module=False,
+        name=f"inference_kernels_{key()}", sources=[str(src) for src in SOURCES],
+        extra_cflags=cflags(), extra_ldflags=["-fopenmp"], build_directory=str(tmp),
+        is_python_module=False,
     ))  # fmt: skip
-    log.info("decode attention kernel built in %.1f s", time.monotonic() - start)
+    log.info("this project's ops built in %.1f s", time.monotonic() - start)
 
 
 def _register_fake() -> None:
+    @torch.library.register_fake("inference::int8_linear")
+    def _int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], q.shape[0]))
+
     @torch.library.register_fake(OP)
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
           scale: float) -> torch.Tensor:  # fmt: skip

@@ -242,18 +242,41 @@ def _load(path: Path, module: torch.nn.Module) -> Package:
     # first call dies of SIGILL when nothing else here used AMX yet. inductor asks in its
     # ISA check, which Package skips; returns False where the CPU has no AMX.
     torch.cpu._init_amx()
+    native = _native_runs()
     scratch = Path(tempfile.mkdtemp(prefix="inference-svc-aoti-load-"))
     try:
         with _EXTRACT, _tmpdir(scratch):
-            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-        weights = constants(path, loader.get_constant_fqns(), module)
+            if native:
+                loader = torch.classes.inference.Package(str(path), "model")
+            else:
+                loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+        fqns = loader.constant_fqns() if native else loader.get_constant_fqns()
+        weights = constants(path, fqns, module)
         if weights is not None:
             # user_managed: the package runs on these tensors, no copy (Package keeps them)
-            loader.load_constants(weights.tensors, False, True, True)
+            if native:
+                loader.load_constants(weights.tensors)
+            else:
+                loader.load_constants(weights.tensors, False, True, True)
             log.info("package %s: %s", path.stem, weights.text())
-        return Package(loader, weights)
+        return Package(loader, weights, native)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _native_runs() -> bool:
+    """Whether packages run through this project's op (inference_svc/kernels/package.cpp),
+    which releases the GIL for the forward pass, as torch's own binding does not: the
+    service's other threads (health checks, streaming, detokenizing) then run during a step,
+    not after it. Where the ops cannot be built, torch's binding runs them (logged)."""
+    from inference_svc import kernels
+
+    try:
+        kernels.load()
+    except Exception as e:  # no compiler for a first build, an unwritable directory
+        log.warning("packages run holding the GIL (this project's ops did not load: %s)", e)
+        return False
+    return True
 
 
 class Package:
@@ -265,15 +288,19 @@ class Package:
     kept packages otherwise never needs. Its call also parsed the call spec at every call;
     here once."""
 
-    def __init__(self, loader: Any, weights: Constants | None = None) -> None:
-        self.loader = loader
+    def __init__(self, loader: Any, weights: Constants | None = None, native: bool = False) -> None:
+        self.loader = loader  # torch's binding, or inference::Package (native: GIL released)
         self.weights = weights  # the tensors an unfrozen package runs on: alive as long as it
-        _, out_spec = loader.get_call_spec()
+        _, out_spec = loader.call_spec() if native else loader.get_call_spec()
         self.out_spec = pytree.treespec_loads(out_spec)
         self._one = self.out_spec.is_leaf()  # one tensor out (every graph of ours)
+        self._run = self._native if native else loader.boxed_run
+
+    def _native(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return torch.ops.inference.run_package(self.loader, inputs)
 
     def __call__(self, *args: Any) -> Any:
-        out = self.loader.boxed_run(_tensors(args))
+        out = self._run(_tensors(args))
         return out[0] if self._one else pytree.tree_unflatten(out, self.out_spec)
 
 

@@ -158,12 +158,10 @@ def choose_compile_backend(setting: str, device: torch.device) -> str:
     return "aoti" if device.type == "cpu" else "torch-compile"
 
 
-def choose_decode_attention(
-    setting: str, device: torch.device, kernel_dir: Path | None = None
-) -> tuple[str, str]:
+def choose_decode_attention(setting: str, device: torch.device) -> tuple[str, str]:
     """(attention, why): ``setting`` itself, or for "auto": native on a CPU where the kernel
-    builds and loads (inference_svc/kernels: here, into ``kernel_dir``, once per CPU and
-    torch), else sdpa (torch's kernel: the native one has no GPU implementation)."""
+    builds and loads (inference_svc/kernels: here, once per CPU and torch), else sdpa
+    (torch's kernel: the native one has no GPU implementation)."""
     if setting != "auto":
         return setting, "named"
     if device.type != "cpu":
@@ -173,7 +171,7 @@ def choose_decode_attention(
     if not kernels.available():
         return "sdpa", "no C++ compiler"
     try:
-        kernels.load(kernel_dir)
+        kernels.load()
     except Exception as e:  # the service still starts, on torch's kernel
         log.warning("--decode-attention auto: the native kernel did not build: %s", e)
         return "sdpa", "the native kernel did not build"
@@ -197,17 +195,11 @@ def choices(config: ServiceConfig) -> Choices:
     lm = choose_lm_weights(config.lm_weights, device)
     backend = choose_compile_backend(config.compile_backend, device)
     attention, _ = (  # no LM, nothing decodes: no kernel to build
-        choose_decode_attention(config.decode_attention, device, kernel_dir(config))
+        choose_decode_attention(config.decode_attention, device)
         if config.lm_model != "none"
         else ("sdpa", "no LM")
     )
     return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend, attention)
-
-
-def kernel_dir(config: ServiceConfig) -> Path:
-    from inference_svc import kernels
-
-    return kernels.directory_for(config.compile_cache_dir)
 
 
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:

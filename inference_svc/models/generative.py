@@ -243,11 +243,10 @@ def load_generative(
     weights: str = "same",
     weights_why: str = "",
     attention: str = "sdpa",
-    kernel_dir: Path | None = None,
 ) -> GenerativeModel:
     """The LM in ``directory``, its linears in ``weights`` (a concrete scheme; ``weights_why``
     is why --lm-weights auto chose it, "" when it was named); its decode step's
-    ``attention`` "native" (the kernel built or loaded from ``kernel_dir``) or "sdpa"."""
+    ``attention`` "native" (this project's kernel: inference_svc/kernels) or "sdpa"."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     text, state = text_decoder(config, state)  # Gemma 3's text model
     shape = LlamaShape.from_hf(text)  # ValueError for an architecture not supported
@@ -262,12 +261,12 @@ def load_generative(
     lm.fuse()  # after the state is gone: the loaded parts are freed as they are fused
     convert_linears(lm, weights)
     if attention == "native":
-        _use_native_attention(lm, ctx, kernel_dir)
+        _use_native_attention(lm, ctx)
     eos = _eos_ids(directory, (config, text), tokenizer)
     return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why)
 
 
-def _use_native_attention(lm: LlamaLM, ctx: ModelContext, kernel_dir: Path | None) -> None:
+def _use_native_attention(lm: LlamaLM, ctx: ModelContext) -> None:
     """The decode step on this project's attention kernel, registered here (built once per
     CPU and torch) before any graph is compiled or a kept package calling it is loaded; a
     model the kernel does not cover keeps torch's SDPA, logged."""
@@ -278,7 +277,7 @@ def _use_native_attention(lm: LlamaLM, ctx: ModelContext, kernel_dir: Path | Non
     from inference_svc import kernels
 
     try:
-        path = kernels.load(kernel_dir)
+        path = kernels.load()
     except Exception as e:  # a compiler error, an unwritable directory: say which setting
         raise RuntimeError(
             f"--decode-attention native: its kernel could not be built or loaded ({e}); "
