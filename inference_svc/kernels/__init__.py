@@ -3,17 +3,15 @@
 - ``torch.ops.inference.decode_attention`` (decode_attention.cpp): a decode step's attention
   over the KV cache near the cache's read time, where torch's CPU SDPA takes 2-6x it
   (bench/decode_attention.py; ``--decode-attention native``).
-- ``torch.ops.inference.int8_linear`` (int8_linear.cpp): a product with weights in 8-bit
-  groups of 32 (GGUF's Q8_0), half of bfloat16's bytes.
 - ``torch.classes.inference.Package`` and ``torch.ops.inference.run_package`` (package.cpp):
   an AOTInductor package run with the GIL released (models/aoti.py).
 
-The ops have fake (meta) implementations, so ``torch.export`` keeps each as one node and an
-AOTInductor package calls it by name at run time: the library must be loaded (``load``)
-before such a package runs. It is built for the CPU's vector instructions (as inductor picks
-them), so it is keyed by the sources, the flags, torch's version and the CPU's flags, and kept
-in a directory (``set_directory``: the service's --compile-cache-dir, else the user's cache):
-a later start loads it in milliseconds; the first build takes ~15-40 s on a small CPU.
+The decode attention has a fake (meta) implementation, so ``torch.export`` keeps it as one
+node and an AOTInductor package calls it by name at run time: the library must be loaded
+(``load``) before such a package runs. It is built for the vector instructions ATen uses on
+this CPU, so it is keyed by the sources, the flags, torch's version and the CPU's flags, and
+kept in a directory (``set_directory``: the service's --compile-cache-dir, else the user's
+cache): a later start loads it in milliseconds; the first build takes ~15-40 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / f"{name}.cpp" for name in ("decode_attention", "int8_linear", "package")]
+SOURCES = [HERE / f"{name}.cpp" for name in ("decode_attention", "package")]
 BASE_CFLAGS = ["-O3", "-fopenmp"]
 OP = "inference::decode_attention"
 _lock = threading.Lock()
@@ -142,10 +140,6 @@ def _build(directory: Path, target: Path) -> None:
 
 
 def _register_fake() -> None:
-    @torch.library.register_fake("inference::int8_linear")
-    def _int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], q.shape[0]))
-
     @torch.library.register_fake(OP)
     def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int,
           scale: float) -> torch.Tensor:  # fmt: skip
