@@ -9,25 +9,14 @@ request: it is counted as *late*, logged with its cause, and handed to the
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def _callbacks() -> Any:
-    """Dynamo's callback handler, imported once (an import statement in a function that runs
-    at every step costs more than it looks right after a step flushed the caches)."""
-    import torch._dynamo.callback as cb
-
-    return cb.callback_handler
 
 
 class Origin(enum.Enum):
@@ -69,14 +58,16 @@ class CompileMonitor:
 
     def install(self) -> None:
         """Register the hook (again after a ``torch._dynamo.reset()``, which drops it)."""
-        handler = _callbacks()
-        if self._on_start not in handler.start_callbacks:
-            handler.register_start_callback(self._on_start)
+        import torch._dynamo.callback as cb
+
+        if self._on_start not in cb.callback_handler.start_callbacks:
+            cb.callback_handler.register_start_callback(self._on_start)
 
     def close(self) -> None:
-        handler = _callbacks()
-        if self._on_start in handler.start_callbacks:
-            handler.remove_start_callback(self._on_start)
+        import torch._dynamo.callback as cb
+
+        if self._on_start in cb.callback_handler.start_callbacks:
+            cb.callback_handler.remove_start_callback(self._on_start)
 
     def mark_serving(self) -> None:
         with self._lock:

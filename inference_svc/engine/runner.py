@@ -77,10 +77,6 @@ class GenerateRunner:
         # weights just flushed (~70 us each on an AVX-512 EPYC, 5 when warm).
         self._plain_argmax = not sampler.compiled_greedy
         self.request_shapes: set[Bucket] = set()  # what requests ran (tests check vs Describe)
-        # A decode step's ids and positions [B, 1], one pair per batch bucket, written through
-        # numpy views: no tensor op between two steps (each releases the GIL, which the text
-        # and event-loop threads, just handed the last tokens, then hold while this waits).
-        self._step_inputs: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
     def buckets(self) -> GenBuckets:
@@ -173,20 +169,10 @@ class GenerateRunner:
         write slot 0 of rows nobody reads."""
         shape = self.buckets.decode_shape(len(positions), max(positions))
         pad = shape.batch_size - len(positions)
-        ids, pos = self._inputs(shape.batch_size)
-        ids.numpy()[:, 0] = tokens + [self.model.pad_id] * pad
-        pos.numpy()[:, 0] = positions + [0] * pad
+        ids = torch.tensor(tokens + [self.model.pad_id] * pad)[:, None]
+        pos = torch.tensor(positions + [0] * pad)[:, None]
         self._seen(shape, origin)
         return self.model.decode(ids, pos, shape, origin)
-
-    def _inputs(self, batch: int) -> tuple[Tensor, Tensor]:
-        pair = self._step_inputs.get(batch)
-        if pair is None:
-            with torch.inference_mode(False):  # plain tensors: numpy can view them
-                pair = (torch.zeros(batch, 1, dtype=torch.long),
-                        torch.zeros(batch, 1, dtype=torch.long))  # fmt: skip
-            self._step_inputs[batch] = pair
-        return pair
 
     def _seen(self, shape: Bucket, origin: Origin) -> None:
         if origin is Origin.REQUEST:

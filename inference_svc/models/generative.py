@@ -202,8 +202,7 @@ class GenerativeModel:
         [B, 1], each row attending to ``shape.context_len`` slots. Logits [B, vocab]."""
         d = self.device
         with self.monitor.context(self.name, f"decode/{origin.value}", str(shape)):
-            if ids.device != d:  # (.to is a tensor op even where it copies nothing)
-                ids, positions = ids.to(d), positions.to(d)
+            ids, positions = ids.to(d), positions.to(d)
             slots = self._slots(shape.context_len)
             if self._marks(self._decode):
                 self._vary(ids, positions, dim=0)  # the batch
