@@ -158,3 +158,46 @@ def test_native_named_and_not_built_fails_the_load_naming_the_setting(
     )
     with pytest.raises(RuntimeError, match=r"--decode-attention native: .*internal compiler"):
         load_generative(ctx, tiny_lm_dir, GenLimits(1, 8, 8, 8), attention="native")
+
+
+class _Chain(torch.nn.Module):
+    """Long enough a forward pass (~0.1 s) to watch another thread during it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(512, 512) / 512**0.5, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for _ in range(40):
+            x = torch.tanh(x @ self.w)
+        return x
+
+
+def test_a_package_runs_with_the_gil_released(tmp_path) -> None:
+    """inference::run_package (models/aoti.py's way to run packages) lets the service's other
+    Python threads run during a forward pass: this thread counts while another thread's one
+    call is in flight. (torch's own loader binding holds the GIL for the whole call.)"""
+    import threading
+
+    x = torch.randn(1024, 512)
+    ep = torch.export.export(_Chain(), (x,))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "c.pt2"))
+    package = torch.classes.inference.Package(path, "model")
+    (out,) = torch.ops.inference.run_package(package, [x])
+    assert torch.allclose(out, ep.module()(x), atol=1e-4)  # the weights inside the package
+
+    started, done = threading.Event(), threading.Event()
+
+    def call() -> None:
+        started.set()
+        torch.ops.inference.run_package(package, [x])
+        done.set()
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    started.wait()
+    counted = 0
+    while not done.is_set():
+        counted += 1
+    worker.join()
+    assert counted > 10_000, counted
