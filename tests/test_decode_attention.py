@@ -7,6 +7,7 @@ an AOTInductor package calls; what auto picks; a library kept and loaded, not re
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 
@@ -104,12 +105,12 @@ def test_export_keeps_the_op_and_an_aoti_package_calls_it(tmp_path) -> None:
 def test_auto_is_native_on_a_cpu_with_a_compiler_and_sdpa_elsewhere() -> None:
     assert kernels.available()  # this suite builds the kernel: a compiler is here
     cpu = torch.device("cpu")
-    assert choose_decode_attention("auto", cpu)[0] == "native"
-    assert choose_decode_attention("auto", torch.device("cuda"))[0] == "sdpa"
-    assert choose_decode_attention("sdpa", cpu)[0] == "sdpa"
+    assert choose_decode_attention("auto", cpu) == "native"
+    assert choose_decode_attention("auto", torch.device("cuda")) == "sdpa"
+    assert choose_decode_attention("sdpa", cpu) == "sdpa"
 
 
-def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch) -> None:
+def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch, caplog) -> None:
     """The service still starts (on torch's kernel) where the build fails; named, it fails."""
 
     def broken(directory=None):
@@ -117,8 +118,10 @@ def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch) -> 
 
     monkeypatch.setattr(kernels, "load", broken)
     cpu = torch.device("cpu")
-    assert choose_decode_attention("auto", cpu) == ("sdpa", "the native kernel did not build")
-    assert choose_decode_attention("native", cpu)[0] == "native"  # load_generative says why
+    caplog.set_level(logging.INFO, logger="inference_svc.models.cpu")
+    assert choose_decode_attention("auto", cpu) == "sdpa"
+    assert "--decode-attention auto: sdpa (the native kernel did not build)" in caplog.text
+    assert choose_decode_attention("native", cpu) == "native"  # load_generative says why
 
 
 def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:

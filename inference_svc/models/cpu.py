@@ -158,24 +158,27 @@ def choose_compile_backend(setting: str, device: torch.device) -> str:
     return "aoti" if device.type == "cpu" else "torch-compile"
 
 
-def choose_decode_attention(setting: str, device: torch.device) -> tuple[str, str]:
-    """(attention, why): ``setting`` itself, or for "auto": native on a CPU where the kernel
-    builds and loads (inference_svc/kernels: here, once per CPU and torch), else sdpa
+def choose_decode_attention(setting: str, device: torch.device) -> str:
+    """``setting`` itself, or for "auto" (logged with its reason): native on a CPU where the
+    kernel builds and loads (inference_svc/kernels: here, once per CPU and torch), else sdpa
     (torch's kernel: the native one has no GPU implementation)."""
     if setting != "auto":
-        return setting, "named"
-    if device.type != "cpu":
-        return "sdpa", f"a {device.type} device"
-    from inference_svc import kernels
+        return setting
+    attention, why = "sdpa", f"a {device.type} device"
+    if device.type == "cpu":
+        from inference_svc import kernels
 
-    if not kernels.available():
-        return "sdpa", "no C++ compiler"
-    try:
-        kernels.load()
-    except Exception as e:  # the service still starts, on torch's kernel
-        log.warning("--decode-attention auto: the native kernel did not build: %s", e)
-        return "sdpa", "the native kernel did not build"
-    return "native", "a CPU with a C++ compiler"
+        attention, why = "native", "a CPU with a C++ compiler"
+        if not kernels.available():
+            attention, why = "sdpa", "no C++ compiler"
+        else:
+            try:
+                kernels.load()
+            except Exception as e:  # the service still starts, on torch's kernel
+                log.warning("--decode-attention auto: the native kernel did not build: %s", e)
+                attention, why = "sdpa", "the native kernel did not build"
+    log.info("--decode-attention auto: %s (%s)", attention, why)
+    return attention
 
 
 @dataclass(frozen=True)
@@ -194,11 +197,8 @@ def choices(config: ServiceConfig) -> Choices:
     device = pick_device(config.device)
     lm = choose_lm_weights(config.lm_weights, device)
     backend = choose_compile_backend(config.compile_backend, device)
-    attention, _ = (  # no LM, nothing decodes: no kernel to build
-        choose_decode_attention(config.decode_attention, device)
-        if config.lm_model != "none"
-        else ("sdpa", "no LM")
-    )
+    no_lm = config.lm_model == "none"  # nothing decodes: no kernel to build
+    attention = "sdpa" if no_lm else choose_decode_attention(config.decode_attention, device)
     return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend, attention)
 
 
@@ -215,8 +215,6 @@ def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
     if compiled and config.compile_backend == "auto":
         where = pick_device(config.device).type
         log.info("--compile-backend auto: %s (a %s device)", auto.backend, where)
-    if config.decode_attention == "auto":
-        log.info("--decode-attention auto: %s", auto.attention)
     config = dataclasses.replace(
         config, lm_weights=lm.scheme, embed_dtype=embed.scheme, compile_backend=auto.backend,
         decode_attention=auto.attention,
