@@ -90,6 +90,13 @@ def main() -> int:
         script = ["throughput.py", "--quick", *model_args(a)]
         a.rounds = 1
     tmp = Path(tempfile.mkdtemp(prefix="bench-ab-"))
+    # The head arm imports this tree's files at each of its rounds: an edit made while the
+    # rounds run lands in some of them (seen once: a head arm that was two changes at once).
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "inference_svc"],
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    if dirty:
+        print("note: inference_svc/ has uncommitted changes: the head arm runs them, and any "
+              "edit made while the rounds run", file=sys.stderr)  # fmt: skip
     base = worktree(a.base, tmp)
     try:
         runs: dict[str, list[dict[str, float]]] = {"base": [], "head": []}
