@@ -56,16 +56,6 @@ def directory_for(compile_cache_dir: str) -> Path:
     return Path(base) / "inference-svc" / "kernels"
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 # The vector instructions ATen dispatches its own kernels to on this CPU, as CPU_CAPABILITY
 # macros (at::vec in the kernels follows them) and the -m flags inductor compiles them with.
 # (Not inductor's own pick_vec_isa: it imports inductor and test-builds a library per ISA in
@@ -78,14 +68,19 @@ ISA_FLAGS = {
 
 
 def cflags() -> list[str]:
-    return [*BASE_CFLAGS, *ISA_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])]
+    from inference_svc.models.cpu import capabilities
+
+    return [*BASE_CFLAGS, *ISA_FLAGS.get(capabilities().isa, [])]
 
 
 @functools.cache
 def key() -> str:
     """What the built library depends on: source, flags, torch, the CPU's instructions."""
+    from inference_svc.models.cpu import capabilities
+
     h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
-    for part in (*cflags(), torch.__version__, sys.version, _cpu_flags()):
+    flags = " ".join(sorted(capabilities().flags))
+    for part in (*cflags(), torch.__version__, sys.version, flags):
         h.update(part.encode())
     return h.hexdigest()[:16]
 
