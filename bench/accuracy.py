@@ -62,19 +62,25 @@ TEXTS = (
     "Quarterly revenue grew 4 % while operating costs stayed flat.",
 )
 # (--dtype, --lm-weights) against float32 with its own weights
-LM_OPTIONS = (("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"))
+LM_OPTIONS = (
+    ("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"), ("float32", "int4:native")
+)  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_lm(
     dtype: str, weights: str, mode: CompilationMode, model_spec: str = "default"
 ) -> GenerateRunner:
-    """The LM with a 2-row cache behind the service's own runner (its padding, its shapes)."""
+    """The LM with a 2-row cache behind the service's own runner (its padding, its shapes);
+    ``weights`` a --lm-weights scheme, "int4:native" for int4 on this project's linear kernel."""
+    weights, _, linear = weights.partition(":")
     limits = GenLimits(max_batch=2, max_input_tokens=128, max_new_tokens=128, prefill_chunk=64)
     monitor = CompileMonitor()
     ctx = ModelContext("lm", mode, monitor, torch.device("cpu"), DTYPES[dtype])
     cache = Path("~/.cache/inference-svc/models").expanduser()
-    model = load_generative(ctx, resolve_lm_dir(model_spec), limits, cache, weights)
+    model = load_generative(
+        ctx, resolve_lm_dir(model_spec), limits, cache, weights, linear=linear or "torch"
+    )
     buckets = GenBuckets.plan(limits, mode)
     model.allocate_cache(buckets.rows_for(2 * limits.max_seq_len))
     return GenerateRunner(model, Sampler("lm", mode, monitor), LogprobsMode.RAW, buckets)

@@ -1,7 +1,8 @@
 """The LM's decode step per weight format and backend, against the machine's limit.
 
   .venv/bin/python bench/decode_step.py [--weights same,bfloat16,int4] [--batches 1,8]
-      [--backends eager,aoti] [--context 256] [--calls 30]
+      [--backends eager,aoti] [--context 256] [--calls 30] (--weights int4:native: int4 on
+      this project's linear kernel)
       [--mode max-autotune] [--freeze-weights on] [--attention native,sdpa]
       [--quick --lm-model DIR]   (smoke run: tiny model, batch 1 and 2, 3 calls)
 
@@ -60,13 +61,16 @@ def load(
     a: argparse.Namespace, weights: str, backend: str, max_batch: int, stores: list
 ) -> GenerativeModel:
     """One arm: eager (mode none), or the same model run from an AOTInductor package;
-    ``backend`` "eager" or "aoti", with ":native" or ":sdpa" for the decode attention."""
+    ``backend`` "eager" or "aoti", with ":native" or ":sdpa" for the decode attention;
+    ``weights`` a --lm-weights scheme, with ":native" for int4 on this project's linear kernel
+    (--linear-kernel native; torch's otherwise)."""
     backend, _, attention = backend.partition(":")
+    weights, _, linear = weights.partition(":")
     ctx, mode = arm_context(a, "lm", torch.float32, backend, stores)
     limits = GenLimits(max_batch, 512, 512, 64)
     cache = Path("~/.cache/inference-svc/models").expanduser()
     m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights,
-                        attention=attention or "native")  # fmt: skip
+                        attention=attention or "native", linear=linear or "torch")  # fmt: skip
     m.set_ranges(GenBuckets.plan(limits, mode, aoti=backend == "aoti").ranges())
     m.allocate_cache(max_batch)
     return m
@@ -113,7 +117,9 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--weights", default="same,bfloat16,int4", help="--lm-weights schemes")
+    p.add_argument("--weights", default="same,bfloat16,int4",
+                   help="--lm-weights schemes; int4:native for int4 on this project's kernel "
+                   "(--linear-kernel native)")  # fmt: skip
     p.add_argument("--batches", default="1,8")
     p.add_argument("--backends", default="eager,aoti", help="eager and/or aoti")
     p.add_argument(

@@ -36,6 +36,7 @@ EMBED_DTYPES = ("same", "float32", "bfloat16", "auto")
 # torch.compile (Dynamo) in the process.
 COMPILE_BACKENDS = ("auto", "aoti", "torch-compile")
 DECODE_ATTENTIONS = ("auto", "native", "sdpa")
+LINEAR_KERNELS = ("auto", "native", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ON_OFF = ("on", "off")
 
@@ -116,6 +117,14 @@ class ServiceConfig:
         "and torch and kept in --compile-cache-dir or the user's cache), sdpa (torch's), or "
         "auto: native on a CPU with a C++ compiler, else sdpa",
         choices=DECODE_ATTENTIONS,
+    )
+    linear_kernel: str = setting(
+        "auto",
+        "what runs --lm-weights int4's linear layers: native (a C++ kernel of this project: "
+        "integer dot products against 8-bit activations, the output layer in 8-bit groups), "
+        "torch (torch's int4 kernel, the output layer in bfloat16), or auto: native where "
+        "it was measured faster (an AVX2 CPU), else torch",
+        choices=LINEAR_KERNELS,
     )
     logprobs_mode: LogprobsMode = setting(
         LogprobsMode.RAW, "logprobs of the raw logits or of the processed distribution"

@@ -25,7 +25,7 @@ def reference_lm():
     return load_lm("float32", "same", NONE)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int4"])
+@pytest.mark.parametrize("weights", ["bfloat16", "int4", "int4:native"])
 def test_lm_weight_options_keep_top1_agreement(reference_lm, weights: str) -> None:
     option = load_lm("float32", weights, NONE)
     assert lm_agreement(reference_lm, option, PROMPTS, 32) >= 0.98

@@ -61,9 +61,10 @@ def test_a_named_scheme_is_kept_as_it_is(monkeypatch) -> None:
     for scheme in LM_WEIGHTS:
         assert cpu.choose_lm_weights(scheme, CPU) == cpu.WeightsChoice(scheme)
         config = parse_config(["--lm-weights", scheme, "--compile-backend", "torch-compile",
-                               "--decode-attention", "sdpa"])  # fmt: skip
+                               "--decode-attention", "sdpa",
+                               "--linear-kernel", "torch"])  # fmt: skip
         same = cpu.WeightsChoice("same")
-        named = cpu.Choices(cpu.WeightsChoice(scheme), same, "torch-compile", "sdpa")
+        named = cpu.Choices(cpu.WeightsChoice(scheme), same, "torch-compile", "sdpa", "torch")
         assert cpu.resolve(config) == (config, named)
 
 

@@ -78,13 +78,15 @@ def test_numerics_names_what_the_graphs_compute_in() -> None:
     assert numerics(torch.bfloat16, "bfloat16") == "bfloat16"
 
 
-@pytest.mark.parametrize("option", [("--lm-weights", "int4"), ("--dtype", "bfloat16")])
+@pytest.mark.parametrize(
+    "option", [("--lm-weights", "int4", "--linear-kernel", "native"), ("--dtype", "bfloat16")]
+)
 async def test_each_option_is_declared_and_compiled_before_serving(
     tiny_embed_dir, tiny_lm_dir, option
 ) -> None:
     args = tiny_args(tiny_embed_dir, tiny_lm_dir, "--compilation-mode", "default", *TORCH_COMPILE,
                      *option)  # fmt: skip
-    want = "float32+int4-linear" if option[1] == "int4" else "bfloat16"
+    want = "float32+int4-linear-native" if option[1] == "int4" else "bfloat16"
     async with serving(args, loaded=True) as (service, c):
         described = await c.admin.Describe(apb.DescribeRequest())
         lm = next(m for m in described.models if m.name == "generative")

@@ -181,6 +181,47 @@ def choose_decode_attention(setting: str, device: torch.device) -> str:
     return attention
 
 
+def choose_linear_kernel(setting: str, device: torch.device, scheme: str) -> str:
+    """``setting`` itself, or for "auto" (logged with its reason): native for the int4 scheme
+    on a CPU whose torch capability is AVX2, where it was measured (LINEAR_NATIVE), and the
+    kernel builds; else torch. An AVX-512 CPU runs the same AVX2 code, not measured against
+    torch's AVX-512 int4 kernel yet: torch there until it is."""
+    if setting != "auto":
+        return setting
+    kernel, why = "torch", f"--lm-weights {scheme}"
+    if scheme == "int4":
+        kernel, why = "torch", f"a {device.type} device"
+        if device.type == "cpu":
+            isa = capabilities().isa
+            kernel, why = "torch", f"torch's capability {isa}: native not measured there"
+            if isa in LINEAR_NATIVE:
+                kernel, why = _native_if_built("--linear-kernel", LINEAR_NATIVE[isa])
+    log.info("--linear-kernel auto: %s (%s)", kernel, why)
+    return kernel
+
+
+# Where --linear-kernel auto runs the native kernel, with what was measured there.
+LINEAR_NATIVE = {
+    "AVX2": "AMD EPYC, AVX2: 30 layers of SmolLM2 2.7-3.4x torch's int4 kernel at 1, 8 and 16 "
+    "rows, the output layer in int8 3.5-9x bfloat16",
+}
+
+
+def _native_if_built(flag: str, why: str) -> tuple[str, str]:
+    """("native", why) when this project's ops build and load here, else ("torch", the
+    reason)."""
+    from inference_svc import kernels
+
+    if not kernels.available():
+        return "torch", "no C++ compiler"
+    try:
+        kernels.load()
+    except Exception as e:  # the service still starts, on torch's kernels
+        log.warning("%s auto: this project's ops did not build: %s", flag, e)
+        return "torch", "this project's ops did not build"
+    return "native", why
+
+
 @dataclass(frozen=True)
 class Choices:
     """What each "auto" became: the LM's linear weights, the Embed model's dtype, the
@@ -190,6 +231,7 @@ class Choices:
     embed: WeightsChoice
     backend: str
     attention: str = "sdpa"
+    linear: str = "torch"
 
 
 def choices(config: ServiceConfig) -> Choices:
@@ -199,12 +241,14 @@ def choices(config: ServiceConfig) -> Choices:
     backend = choose_compile_backend(config.compile_backend, device)
     no_lm = config.lm_model == "none"  # nothing decodes: no kernel to build
     attention = "sdpa" if no_lm else choose_decode_attention(config.decode_attention, device)
-    return Choices(lm, choose_embed_dtype(config.embed_dtype, device), backend, attention)
+    linear = "torch" if no_lm else choose_linear_kernel(config.linear_kernel, device, lm.scheme)
+    embed = choose_embed_dtype(config.embed_dtype, device)
+    return Choices(lm, embed, backend, attention, linear)
 
 
 def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
-    """``config`` with a concrete ``lm_weights``, ``embed_dtype``, ``compile_backend`` and
-    ``decode_attention``, and the choices; logs each auto's reason."""
+    """``config`` with a concrete ``lm_weights``, ``embed_dtype``, ``compile_backend``,
+    ``decode_attention`` and ``linear_kernel``, and the choices; logs each auto's reason."""
     auto = choices(config)
     lm, embed = auto.lm, auto.embed
     if lm.auto:
@@ -217,6 +261,6 @@ def resolve(config: ServiceConfig) -> tuple[ServiceConfig, Choices]:
         log.info("--compile-backend auto: %s (a %s device)", auto.backend, where)
     config = dataclasses.replace(
         config, lm_weights=lm.scheme, embed_dtype=embed.scheme, compile_backend=auto.backend,
-        decode_attention=auto.attention,
+        decode_attention=auto.attention, linear_kernel=auto.linear,
     )  # fmt: skip
     return config, auto

@@ -80,6 +80,7 @@ class GenerativeModel:
         eos_ids: frozenset[int],
         weights: str = "same",
         weights_why: str = "",
+        linear: str = "torch",
     ) -> None:
         self.ctx = ctx
         self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
@@ -91,7 +92,7 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics(self.dtype, weights, weights_why)
+        self.numerics = numerics(self.dtype, weights, weights_why, linear)
         # Mark the varying dimensions dynamic before each compiled call (see _vary). Off when
         # the graphs came from kept artifacts: torch 2.13 saves their guards as if nothing
         # had been marked, and a marked input then fails them ("_has_dynamo_dim_marking is
@@ -243,10 +244,12 @@ def load_generative(
     weights: str = "same",
     weights_why: str = "",
     attention: str = "sdpa",
+    linear: str = "torch",
 ) -> GenerativeModel:
     """The LM in ``directory``, its linears in ``weights`` (a concrete scheme; ``weights_why``
-    is why --lm-weights auto chose it, "" when it was named); its decode step's
-    ``attention`` "native" (this project's kernel: inference_svc/kernels) or "sdpa"."""
+    is why --lm-weights auto chose it, "" when it was named) run by ``linear`` "torch" or
+    "native"; its decode step's ``attention`` "native" (this project's kernel:
+    inference_svc/kernels) or "sdpa"."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     text, state = text_decoder(config, state)  # Gemma 3's text model
     shape = LlamaShape.from_hf(text)  # ValueError for an architecture not supported
@@ -259,11 +262,13 @@ def load_generative(
     del state
     lm = lm.to(device=ctx.device, dtype=ctx.dtype).eval()
     lm.fuse()  # after the state is gone: the loaded parts are freed as they are fused
-    convert_linears(lm, weights)
+    if linear == "native":
+        _load_kernels("--linear-kernel native")
+    convert_linears(lm, weights, linear)
     if attention == "native":
         _use_native_attention(lm, ctx)
     eos = _eos_ids(directory, (config, text), tokenizer)
-    return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why)
+    return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why, linear)
 
 
 def _use_native_attention(lm: LlamaLM, ctx: ModelContext) -> None:
@@ -274,17 +279,23 @@ def _use_native_attention(lm: LlamaLM, ctx: ModelContext) -> None:
     if why:
         log.info("model %s: decode attention sdpa (native: %s)", ctx.name, why)
         return
+    path = _load_kernels("--decode-attention native")
+    lm.decode_attention = "native"
+    log.info("model %s: decode attention native (%s)", ctx.name, path.name)
+
+
+def _load_kernels(setting: str) -> Path:
+    """This project's ops registered (inference_svc/kernels), or an error naming ``setting``."""
     from inference_svc import kernels
 
     try:
-        path = kernels.load()
+        return kernels.load()
     except Exception as e:  # a compiler error, an unwritable directory: say which setting
+        other = "sdpa" if "attention" in setting else "torch"
         raise RuntimeError(
-            f"--decode-attention native: its kernel could not be built or loaded ({e}); "
-            "--decode-attention sdpa runs without it"
+            f"{setting}: this project's ops could not be built or loaded ({e}); "
+            f"{setting.split()[0]} {other} runs without them"
         ) from e
-    lm.decode_attention = "native"
-    log.info("model %s: decode attention native (%s)", ctx.name, path.name)
 
 
 def _eos_ids(directory: Path, configs: tuple[object, ...], tokenizer: object) -> frozenset[int]:

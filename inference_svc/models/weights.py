@@ -11,6 +11,12 @@ each layer casts its input to the weights' dtype and its output back.
   activations). The packaged SmolLM2 is a Q4_1 GGUF, whose blocks are exactly that
   (32 weights, a scale and a minimum): its weights come back bit for bit (checked at
   load, logged). The output layer (tied to the Q8_0 embedding) stays in bfloat16.
+
+``--linear-kernel native`` runs the ``int4`` scheme on this project's kernel instead
+(``inference::quant_linear``, inference_svc/kernels/quant_linear.cpp: integer dot products
+against the activations quantised to 8 bits a group, as llama.cpp does): the same 4-bit
+groups with float32 scales and minimums, and the output layer in 8-bit groups of 32 (the
+GGUF's own Q8_0), both in ``QuantLinear``.
 """
 
 from __future__ import annotations
@@ -73,10 +79,66 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def convert_linears(lm: nn.Module, scheme: str) -> None:
-    """Swap the linear layers of ``lm`` for ``scheme`` in place ("same": leave them)."""
+class QuantLinear(nn.Module):
+    """``x @ W.T`` on ``inference::quant_linear`` (the library must be loaded: kernels.load):
+    W in ``bits`` 4 (w = q * scale + min, q in [0, 15]) or 8 (w = q * scale, q in
+    [-128, 127]) groups of 32 along the input dimension, in the kernel's layout of blocks of 8
+    output rows."""
+
+    BLOCK = 8  # output rows a block of the kernel's layout
+
+    def __init__(self, linear: nn.Linear, bits: int) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()
+        n, k = w.shape
+        groups = w.view(n, k // GROUP, GROUP)
+        tiny = torch.finfo(torch.float32).tiny
+        if bits == 4:
+            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+            scale = ((high - low) / 15).clamp(min=tiny)
+            q = ((groups - low) / scale).round().clamp(0, 15)
+            self.max_error = float(((q * scale + low) - groups).abs().max())
+        else:
+            low = None
+            scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=tiny)
+            q = (groups / scale).round().clamp(-128, 127)
+            self.max_error = float((q * scale - groups).abs().max())
+        b = self.BLOCK
+        if bits == 4:  # [n/8, k/8, 32]: a byte holds index i in its low nibble, i + 4 in its high
+            v = q.to(torch.uint8).view(n // b, b, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+            v = v.reshape(n // b, k // 8, 2, 32)
+            packed = v[:, :, 0] | (v[:, :, 1] << 4)
+        else:  # [n/8, k/4, 32]: 4 consecutive inputs of each of the block's 8 rows
+            packed = q.to(torch.int8).view(n // b, b, k // 4, 4).permute(0, 2, 1, 3)
+            packed = packed.reshape(n // b, k // 4, 32)
+
+        def per_block(t: Tensor) -> Tensor:  # [n, k/32, 1] -> [n/8, k/32, 8]
+            return t.view(n // b, b, k // GROUP).transpose(1, 2).contiguous()
+
+        self.register_buffer("q", packed.contiguous())
+        self.register_buffer("scales", per_block(scale))
+        self.register_buffer("mins", per_block(low) if low is not None else torch.empty(0))
+        self.bits, self.out_features = bits, n
+
+    @classmethod
+    def fits(cls, linear: nn.Linear) -> bool:
+        n, k = linear.weight.shape
+        return linear.bias is None and k % GROUP == 0 and n % cls.BLOCK == 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.inference.quant_linear(x, self.q, self.scales, self.mins, self.bits)
+
+
+def convert_linears(lm: nn.Module, scheme: str, kernel: str = "torch") -> None:
+    """Swap the linear layers of ``lm`` for ``scheme`` in place ("same": leave them), run by
+    ``kernel``: "torch" or "native" (``QuantLinear``: the int4 scheme only)."""
     if scheme not in LM_WEIGHTS:
         raise ValueError(f"--lm-weights {scheme!r} is not one of {', '.join(LM_WEIGHTS)}")
+    if kernel == "native" and scheme != "int4":
+        raise ValueError(f"--linear-kernel native runs --lm-weights int4, not {scheme}")
+    if kernel == "native":
+        _convert_native(lm)
+        return
     if scheme == "same":
         return
     if next(lm.parameters()).device.type != "cpu":
@@ -103,11 +165,32 @@ def convert_linears(lm: nn.Module, scheme: str) -> None:
         log.info("linear layers in bfloat16")
 
 
-def numerics(dtype: torch.dtype, scheme: str, why: str = "") -> str:
+def _convert_native(lm: nn.Module) -> None:
+    worst, kept = 0.0, []
+    for parent in list(lm.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            if QuantLinear.fits(child):  # the output layer in 8 bits (Q8_0), the rest in 4
+                layer = QuantLinear(child, 8 if name == "lm_head" else 4)
+                worst = max(worst, layer.max_error) if layer.bits == 4 else worst
+            else:
+                kept.append(name)
+                layer = BFloat16Linear(child)
+            setattr(parent, name, layer)
+    log.info(
+        "linear layers in int4 groups of %d on this project's kernel (largest weight change "
+        "%.3g; the output layer in int8 groups; %s kept in bfloat16)", GROUP, worst,
+        ", ".join(sorted(set(kept))) or "none",
+    )  # fmt: skip
+
+
+def numerics(dtype: torch.dtype, scheme: str, why: str = "", kernel: str = "torch") -> str:
     """What a model computes in, as Describe and Info report it: ``float32``,
-    ``float32+int4-linear`` (the dtype, then the linear layers' weights if other), then why
-    --lm-weights auto chose them: ``float32+int4-linear (auto: AMX-BF16)``."""
+    ``float32+int4-linear`` (the dtype, then the linear layers' weights if other; ``-native``
+    on this project's kernel: 8-bit activations in the products, the output layer in int8),
+    then why --lm-weights auto chose them: ``float32+int4-linear (auto: AMX-BF16)``."""
     name = str(dtype).removeprefix("torch.")
     if not (scheme == "same" or (scheme == "bfloat16" and dtype == torch.bfloat16)):
-        name = f"{name}+{scheme}-linear"
+        name = f"{name}+{scheme}-linear" + ("-native" if kernel == "native" else "")
     return f"{name} (auto: {why})" if why else name
