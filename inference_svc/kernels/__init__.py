@@ -4,7 +4,7 @@
   over the KV cache near the cache's read time, where torch's CPU SDPA takes 2-6x it
   (bench/decode_attention.py; ``--decode-attention native``).
 - ``torch.ops.inference.quant_linear`` (quant_linear.cpp): a linear layer in 4- or 8-bit
-  groups as integer dot products, 2.7-3.4x torch's int4 kernel on an AVX2 CPU
+  groups as integer dot products, 1.3-2.7x torch's int4 kernel on an AVX2 CPU
   (models/weights.py ``QuantLinear``; ``--linear-kernel native``).
 - ``torch.classes.inference.Package`` and ``torch.ops.inference.run_package`` (package.cpp):
   an AOTInductor package run with the GIL released (models/aoti.py).
