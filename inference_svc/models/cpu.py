@@ -166,17 +166,8 @@ def choose_decode_attention(setting: str, device: torch.device) -> str:
         return setting
     attention, why = "sdpa", f"a {device.type} device"
     if device.type == "cpu":
-        from inference_svc import kernels
-
-        attention, why = "native", "a CPU with a C++ compiler"
-        if not kernels.available():
-            attention, why = "sdpa", "no C++ compiler"
-        else:
-            try:
-                kernels.load()
-            except Exception as e:  # the service still starts, on torch's kernel
-                log.warning("--decode-attention auto: the native kernel did not build: %s", e)
-                attention, why = "sdpa", "the native kernel did not build"
+        missing = _ops_missing("--decode-attention", "the native kernel did not build")
+        attention, why = ("sdpa", missing) if missing else ("native", "a CPU with a C++ compiler")
     log.info("--decode-attention auto: %s (%s)", attention, why)
     return attention
 
@@ -195,7 +186,8 @@ def choose_linear_kernel(setting: str, device: torch.device, scheme: str) -> str
         isa = capabilities().isa
         why = f"torch's capability {isa}: native not measured there"
         if isa in LINEAR_NATIVE:
-            kernel, why = _native_if_built("--linear-kernel", LINEAR_NATIVE[isa])
+            missing = _ops_missing("--linear-kernel", "this project's ops did not build")
+            kernel, why = ("torch", missing) if missing else ("native", LINEAR_NATIVE[isa])
     log.info("--linear-kernel auto: %s (%s)", kernel, why)
     return kernel
 
@@ -207,19 +199,19 @@ LINEAR_NATIVE = {
 }
 
 
-def _native_if_built(flag: str, why: str) -> tuple[str, str]:
-    """("native", why) when this project's ops build and load here, else ("torch", the
-    reason)."""
+def _ops_missing(flag: str, failed: str) -> str:
+    """Why this project's ops cannot run here: no compiler, or ``failed`` (logged with the
+    error); empty when they build and load (inference_svc/kernels: once per CPU and torch)."""
     from inference_svc import kernels
 
     if not kernels.available():
-        return "torch", "no C++ compiler"
+        return "no C++ compiler"
     try:
         kernels.load()
     except Exception as e:  # the service still starts, on torch's kernels
-        log.warning("%s auto: this project's ops did not build: %s", flag, e)
-        return "torch", "this project's ops did not build"
-    return "native", why
+        log.warning("%s auto: %s: %s", flag, failed, e)
+        return failed
+    return ""
 
 
 @dataclass(frozen=True)

@@ -263,7 +263,7 @@ def load_generative(
     lm = lm.to(device=ctx.device, dtype=ctx.dtype).eval()
     lm.fuse()  # after the state is gone: the loaded parts are freed as they are fused
     if linear == "native":
-        _load_kernels("--linear-kernel native")
+        _load_kernels("--linear-kernel", "torch")
     convert_linears(lm, weights, linear)
     if attention == "native":
         _use_native_attention(lm, ctx)
@@ -279,22 +279,22 @@ def _use_native_attention(lm: LlamaLM, ctx: ModelContext) -> None:
     if why:
         log.info("model %s: decode attention sdpa (native: %s)", ctx.name, why)
         return
-    path = _load_kernels("--decode-attention native")
+    path = _load_kernels("--decode-attention", "sdpa")
     lm.decode_attention = "native"
     log.info("model %s: decode attention native (%s)", ctx.name, path.name)
 
 
-def _load_kernels(setting: str) -> Path:
-    """This project's ops registered (inference_svc/kernels), or an error naming ``setting``."""
+def _load_kernels(flag: str, without: str) -> Path:
+    """This project's ops registered (inference_svc/kernels) for ``flag`` native, or an error
+    naming it and ``without``, its setting that runs without them."""
     from inference_svc import kernels
 
     try:
         return kernels.load()
     except Exception as e:  # a compiler error, an unwritable directory: say which setting
-        other = "sdpa" if "attention" in setting else "torch"
         raise RuntimeError(
-            f"{setting}: this project's ops could not be built or loaded ({e}); "
-            f"{setting.split()[0]} {other} runs without them"
+            f"{flag} native: this project's ops could not be built or loaded ({e}); "
+            f"{flag} {without} runs without them"
         ) from e
 
 

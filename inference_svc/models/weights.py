@@ -14,7 +14,7 @@ each layer casts its input to the weights' dtype and its output back.
 
 ``--linear-kernel native`` runs the ``int4`` scheme on this project's kernel instead
 (``inference::quant_linear``, inference_svc/kernels/quant_linear.cpp: integer dot products
-against the activations quantised to 8 bits a group, as llama.cpp does): the same 4-bit
+against the activations quantised in two 8-bit terms a group of 32): the same 4-bit
 groups with float32 scales and minimums, and the output layer in 8-bit groups of 32 (the
 GGUF's own Q8_0), both in ``QuantLinear``.
 """
@@ -22,6 +22,7 @@ GGUF's own Q8_0), both in ``QuantLinear``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,17 @@ from inference_svc.config import LM_WEIGHTS
 
 log = logging.getLogger(__name__)
 GROUP = 32
+
+
+def int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+    """``w`` [n, k] float32 in 4-bit groups of 32, w ~ q * scale + low: q [n, k/32, 32] in
+    [0, 15] (as float), scale and low [n, k/32, 1], and the largest weight change."""
+    n, k = w.shape
+    groups = w.view(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    q = ((groups - low) / scale).round().clamp(0, 15)
+    return q, scale, low, float(((q * scale + low) - groups).abs().max())
 
 
 class BFloat16Linear(nn.Module):
@@ -53,11 +65,7 @@ class Int4Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
-        groups = w.view(n, k // GROUP, GROUP)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = ((groups - low) / scale).round().clamp(0, 15)
-        self.max_error = float(((q * scale + low) - groups).abs().max())
+        q, scale, low, self.max_error = int4_groups(w)
         zero = low + 8 * scale
         # [k / GROUP, n, 2] (scale, zero) in the activations' dtype, as the kernel wants.
         pairs = torch.stack([scale.squeeze(-1), zero.squeeze(-1)], -1).transpose(0, 1)
@@ -91,16 +99,11 @@ class QuantLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
-        groups = w.view(n, k // GROUP, GROUP)
-        tiny = torch.finfo(torch.float32).tiny
         if bits == 4:
-            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-            scale = ((high - low) / 15).clamp(min=tiny)
-            q = ((groups - low) / scale).round().clamp(0, 15)
-            self.max_error = float(((q * scale + low) - groups).abs().max())
+            q, scale, low, self.max_error = int4_groups(w)
         else:
-            low = None
-            scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=tiny)
+            groups, low = w.view(n, k // GROUP, GROUP), None
+            scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(w.dtype).tiny)
             q = (groups / scale).round().clamp(-128, 127)
             self.max_error = float((q * scale - groups).abs().max())
         b = self.BLOCK
@@ -136,53 +139,53 @@ def convert_linears(lm: nn.Module, scheme: str, kernel: str = "torch") -> None:
         raise ValueError(f"--lm-weights {scheme!r} is not one of {', '.join(LM_WEIGHTS)}")
     if kernel == "native" and scheme != "int4":
         raise ValueError(f"--linear-kernel native runs --lm-weights int4, not {scheme}")
-    if kernel == "native":
-        _convert_native(lm)
-        return
     if scheme == "same":
         return
     if next(lm.parameters()).device.type != "cpu":
         raise ValueError(f"--lm-weights {scheme} runs on the CPU only")
-    worst, kept = 0.0, []
-    for parent in list(lm.modules()):
-        for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if scheme == "int4" and name != "lm_head" and Int4Linear.fits(child):
-                layer = Int4Linear(child)
-                worst = max(worst, layer.max_error)
-                setattr(parent, name, layer)
-            else:
-                if scheme == "int4":
-                    kept.append(name)
-                setattr(parent, name, BFloat16Linear(child))
-    if scheme == "int4":
-        log.info(
-            "linear layers in int4 groups of %d (largest weight change %.3g; "
-            "%s kept in bfloat16)", GROUP, worst, ", ".join(sorted(set(kept))) or "none",
-        )  # fmt: skip
-    else:
+    if scheme == "bfloat16":
+        _swap(lm, lambda name, child: None)
         log.info("linear layers in bfloat16")
+        return
+    if kernel == "native":  # the output layer in 8 bits (Q8_0), the rest in 4
+
+        def make(name: str, child: nn.Linear) -> nn.Module | None:
+            return (
+                QuantLinear(child, 8 if name == "lm_head" else 4)
+                if QuantLinear.fits(child)
+                else None
+            )
+
+        where = " on this project's kernel"
+    else:
+
+        def make(name: str, child: nn.Linear) -> nn.Module | None:
+            return Int4Linear(child) if name != "lm_head" and Int4Linear.fits(child) else None
+
+        where = ""
+    kept = _swap(lm, make)
+    worst = max((m.max_error for m in lm.modules()
+                 if isinstance(m, Int4Linear) or (isinstance(m, QuantLinear) and m.bits == 4)),
+                default=0.0)  # fmt: skip
+    head = "; the output layer in int8 groups" if kernel == "native" else ""
+    log.info(
+        "linear layers in int4 groups of %d%s (largest weight change %.3g%s; %s kept in "
+        "bfloat16)", GROUP, where, worst, head, ", ".join(sorted(set(kept))) or "none",
+    )  # fmt: skip
 
 
-def _convert_native(lm: nn.Module) -> None:
-    worst, kept = 0.0, []
+def _swap(lm: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> list[str]:
+    """Each nn.Linear of ``lm`` replaced by ``make(name, linear)``, or in bfloat16 where that
+    is None; the names of those kept in bfloat16."""
+    kept = []
     for parent in list(lm.modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Linear):
-                continue
-            if QuantLinear.fits(child):  # the output layer in 8 bits (Q8_0), the rest in 4
-                layer = QuantLinear(child, 8 if name == "lm_head" else 4)
-                worst = max(worst, layer.max_error) if layer.bits == 4 else worst
-            else:
-                kept.append(name)
-                layer = BFloat16Linear(child)
-            setattr(parent, name, layer)
-    log.info(
-        "linear layers in int4 groups of %d on this project's kernel (largest weight change "
-        "%.3g; the output layer in int8 groups; %s kept in bfloat16)", GROUP, worst,
-        ", ".join(sorted(set(kept))) or "none",
-    )  # fmt: skip
+            if isinstance(child, nn.Linear):
+                layer = make(name, child)
+                if layer is None:
+                    kept.append(name)
+                setattr(parent, name, layer if layer is not None else BFloat16Linear(child))
+    return kept
 
 
 def numerics(dtype: torch.dtype, scheme: str, why: str = "", kernel: str = "torch") -> str:
