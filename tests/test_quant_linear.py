@@ -9,6 +9,10 @@ tests/test_accuracy.py.)"""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +96,61 @@ def test_the_kernel_computes_its_stated_arithmetic(bits: int, rows: int) -> None
     assert torch.allclose(yb.float(), layer(x.bfloat16().float()), rtol=1e-2, atol=1e-2)
 
 
+# The kernel's other paths that this CPU can run, besides the one the service built for it:
+# the scalar loop, AVX2's 256-bit kernels (16 registers), AVX-512 without VNNI (32 registers,
+# int16 sums). Each is built alone under another op namespace, in a subprocess.
+VARIANTS = {
+    "scalar": ((), []),
+    "AVX2": (("avx2", "fma"), kernels.ISA_FLAGS["AVX2"]),
+    "AVX512": (("avx512f", "avx512bw", "avx512vl", "avx512dq"), kernels.ISA_FLAGS["AVX512"]),
+}
+_RUN_VARIANT = """
+import sys, torch
+from torch.utils.cpp_extension import load
+src, out, flags = sys.argv[1], sys.argv[2], sys.argv[3:]
+load(name="quant_linear_variant", sources=[src], extra_cflags=flags,
+     extra_ldflags=["-fopenmp"], build_directory=out, is_python_module=False)
+cases = torch.load(out + "/cases.pt")
+torch.save([torch.ops.variant.quant_linear(*case) for case in cases], out + "/outputs.pt")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_path_of_the_kernel_computes_the_same_arithmetic(variant: str, tmp_path) -> None:
+    needs, flags = VARIANTS[variant]
+    caps = cpu.capabilities()
+    if not set(needs) <= caps.flags:
+        pytest.skip(f"this CPU cannot run the {variant} kernels")
+    if kernels.cflags() == [*kernels.BASE_CFLAGS, *flags]:
+        pytest.skip(f"the service's own build is the {variant} one (tested above)")
+    here = Path(kernels.__file__).parent
+    for name in ("quant_linear.cpp", *(h.name for h in kernels.HEADERS)):
+        text = (here / name).read_text().replace("(inference,", "(variant,")
+        (tmp_path / name).write_text(text)
+    gen = torch.Generator().manual_seed(7)
+    cases, want = [], []
+    for bits in (4, 8):
+        linear = nn.Linear(96, 40, bias=False)  # 5 blocks: wide steps and a single one
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(40, 96, generator=gen) * 0.05)
+        layer = QuantLinear(linear, bits)
+        for rows in (1, 2, 3, 5, 8):
+            x = torch.randn(rows, 96, generator=gen)
+            cases.append((x, layer.q, layer.scales, layer.mins, bits))
+            want.append(emulate(layer, x))
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    src = str(tmp_path / "quant_linear.cpp")
+    subprocess.run([sys.executable, "-c", _RUN_VARIANT, src, str(tmp_path),
+                    *kernels.BASE_CFLAGS, *flags], check=True, env=env, timeout=600)  # fmt: skip
+    outputs = torch.load(tmp_path / "outputs.pt")
+    for (x, q, scales, mins, bits), y, expected in zip(cases, outputs, want, strict=True):
+        assert torch.allclose(y.double(), expected, rtol=1e-5, atol=1e-5), (bits, len(x))
+        ours = torch.ops.inference.quant_linear(x, q, scales, mins, bits)
+        assert torch.allclose(y, ours, rtol=1e-5, atol=1e-5), (bits, len(x))
+
+
 def test_leading_dimensions_and_no_rows() -> None:
     layer = QuantLinear(nn.Linear(64, 16, bias=False), 4)
     x = torch.randn(2, 3, 64)
@@ -167,21 +226,27 @@ def test_export_keeps_the_op_and_an_aoti_package_calls_it(tmp_path) -> None:
         assert torch.allclose(run(call), model(call), atol=1e-5)
 
 
-def _fake_isa(monkeypatch, isa: str) -> None:
-    monkeypatch.setattr(cpu, "capabilities", lambda: cpu.Capabilities(isa, frozenset()))
+def _fake_isa(monkeypatch, isa: str, *flags: str) -> None:
+    monkeypatch.setattr(cpu, "capabilities", lambda: cpu.Capabilities(isa, frozenset(flags)))
 
 
 def test_auto_is_native_where_measured_and_torch_elsewhere(monkeypatch, caplog) -> None:
     caplog.set_level(logging.INFO, logger="inference_svc.models.cpu")
     here = torch.device("cpu")
-    _fake_isa(monkeypatch, "AVX2")
+    _fake_isa(monkeypatch, "AVX2", "avx2")
     assert cpu.choose_linear_kernel("auto", here, "int4") == "native"
     assert "--linear-kernel auto: native (AMD EPYC, AVX2" in caplog.text
     assert cpu.choose_linear_kernel("auto", here, "bfloat16") == "torch"
     assert cpu.choose_linear_kernel("auto", torch.device("cuda"), "int4") == "torch"
-    _fake_isa(monkeypatch, "AVX512")
+    _fake_isa(monkeypatch, "AVX512", "avx2", "avx512f", "avx512_vnni")
+    assert cpu.choose_linear_kernel("auto", here, "int4") == "native"
+    assert "--linear-kernel auto: native (AMD EPYC, AVX512-VNNI" in caplog.text
+    caplog.clear()
+    _fake_isa(monkeypatch, "AVX512", "avx2", "avx512f")  # no VNNI: not measured
     assert cpu.choose_linear_kernel("auto", here, "int4") == "torch"
-    assert "torch's capability AVX512: native not measured there" in caplog.text
+    assert "torch's capability AVX512: native not measured on this CPU class" in caplog.text
+    _fake_isa(monkeypatch, "AVX512", "avx512f", "avx512_vnni", "amx_tile")  # AMX: torch's
+    assert cpu.choose_linear_kernel("auto", here, "int4") == "torch"
     assert cpu.choose_linear_kernel("native", here, "int4") == "native"
 
 
@@ -189,7 +254,7 @@ def test_auto_falls_back_to_torch_when_the_ops_do_not_build(monkeypatch, caplog)
     def broken(directory=None):
         raise RuntimeError("c++: internal compiler error")
 
-    _fake_isa(monkeypatch, "AVX2")
+    _fake_isa(monkeypatch, "AVX2", "avx2")
     monkeypatch.setattr(kernels, "load", broken)
     caplog.set_level(logging.INFO, logger="inference_svc.models.cpu")
     assert cpu.choose_linear_kernel("auto", torch.device("cpu"), "int4") == "torch"

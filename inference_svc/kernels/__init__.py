@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / f"{name}.cpp" for name in ("decode_attention", "quant_linear", "package")]
+HEADERS = [HERE / "quant_linear_x86.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp"]
 _lock = threading.Lock()
 _loaded: Path | None = None  # the library this process registered its ops from
@@ -70,10 +71,17 @@ ISA_FLAGS = {
 }  # fmt: skip
 
 
+# Instructions past the capability's, used where /proc/cpuinfo lists them (quant_linear's
+# VNNI integer dot products on an AVX-512 CPU).
+EXTRA_FLAGS = {"AVX512": {"avx512_vnni": "-mavx512vnni"}}
+
+
 def cflags() -> list[str]:
     from inference_svc.models.cpu import capabilities
 
-    return [*BASE_CFLAGS, *ISA_FLAGS.get(capabilities().isa, [])]
+    caps = capabilities()
+    extra = [f for flag, f in EXTRA_FLAGS.get(caps.isa, {}).items() if flag in caps.flags]
+    return [*BASE_CFLAGS, *ISA_FLAGS.get(caps.isa, []), *extra]
 
 
 @functools.cache
@@ -81,7 +89,7 @@ def key() -> str:
     """What the built library depends on: source, flags, torch, the CPU's instructions."""
     from inference_svc.models.cpu import capabilities
 
-    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)))
     flags = " ".join(sorted(capabilities().flags))
     for part in (*cflags(), torch.__version__, sys.version, flags):
         h.update(part.encode())

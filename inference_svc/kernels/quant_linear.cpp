@@ -5,8 +5,8 @@
 // The input rows are quantised in two terms of 8 bits a group of 32, x ~ d1 q1 + d2 q2 (q2 the
 // rounding left by q1, with its own scale): one 8-bit term alone (llama.cpp's Q8_1) cost the
 // packaged SmolLM2 its top-1 agreement with float32 (0.961, against 0.986 for torch's int4
-// kernel); two give it back (0.986). The products are integer dot products of 4 (u8 x s8 ->
-// s16 pairs -> s32), each group's sum then scaled in float32. For 4 bits the sum is taken
+// kernel); two give it back (0.986). The products are integer dot products of 4 (u8 x s8
+// into int32), each group's sum then scaled in float32. For 4 bits the sum is taken
 // over q - 8 (centred: the rounding of x weighs about half as much as over q) and the
 // minimums' term, (min + 8 scale) times each group's exact float32 sum of x, adds the rest.
 //
@@ -20,9 +20,10 @@
 // (inference_svc/models/weights.py packs them.) Returns [..., N] in x's dtype.
 //
 // A task takes blocks of weight rows and every input row, so each weight is read from memory
-// once per call; input rows go 2 at a time (4 quantised rows) against a block that stays in
-// L1. AVX2 (also what an AVX-512 CPU runs here); the same integer arithmetic one value at a
-// time elsewhere.
+// once per call; input rows go up to 4 at a time (2 with AVX2's 16 vector registers) against
+// a step of blocks that stays in L1. x86 kernels (quant_linear_x86.h): AVX2, and with
+// AVX512-VNNI its dot-product instruction, on 512-bit vectors two blocks a step. Elsewhere the
+// same arithmetic one value at a time.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -44,20 +45,23 @@ namespace {
 using at::Tensor;
 constexpr int64_t GROUP = 32;
 constexpr int64_t NB = 8;  // output rows per block
-constexpr int64_t RP = 4;  // quantised rows per pass: two input rows' two terms
 
-// Input rows quantised, two rows per input row (its first term, then the rounding left):
-// xq int8 [2M, K]; per group [2M, K / 32] the scale dx, the exact sum of x xs (0 for the
-// second term: the minimums' term is taken once) and the sum of xq qs.
+// Input rows quantised, each in two 8-bit terms (its first, then the rounding it left): xq
+// int8 [2M, K], row 2m input row m's first term and 2m + 1 its second. Per input row and
+// group ([M, K / 32]): the terms' scales d1 and d2, the exact float32 sum of x xs, and
+//   e = 8 (xs - d1 qs1 - d2 qs2)        (qs: the sum of a term's q)
+// so that for 4 bits, with dot the integer sum over the raw q in [0, 15],
+//   sum (q - 8) xhat + 8 sum x = d1 dot1 + d2 dot2 + e
+// and a group's two terms cost two conversions and four FMAs together.
 struct Quantised {
   std::vector<int8_t> xq;
-  std::vector<float> dx, xs, qs;
+  std::vector<float> d1, d2, xs, e;
 };
 
 Quantised quantise(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / GROUP;
-  Quantised out{std::vector<int8_t>(2 * M * K), std::vector<float>(2 * M * G),
-                std::vector<float>(2 * M * G), std::vector<float>(2 * M * G)};
+  const auto per = [&] { return std::vector<float>(M * G); };
+  Quantised out{std::vector<int8_t>(2 * M * K), per(), per(), per(), per()};
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
     float r[GROUP];
     for (int64_t i = begin; i < end; ++i) {
@@ -68,151 +72,89 @@ Quantised quantise(const float* x, int64_t M, int64_t K) {
         r[j] = xg[j];
         sum += xg[j];
       }
+      double quantised = 0.;  // d1 qs1 + d2 qs2
       for (int64_t term = 0; term < 2; ++term) {  // r: what is left to quantise
-        const int64_t row = 2 * m + term, at = row * G + g;
         float amax = 0.f;
         for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(r[j]));
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t qsum = 0;
-        int8_t* q = out.xq.data() + row * K + g * GROUP;
+        int8_t* q = out.xq.data() + (2 * m + term) * K + g * GROUP;
         for (int64_t j = 0; j < GROUP; ++j) {
           q[j] = static_cast<int8_t>(std::nearbyint(r[j] * inv));
           qsum += q[j];
           r[j] -= d * static_cast<float>(q[j]);
         }
-        out.dx[at] = d;
-        out.xs[at] = term == 0 ? sum : 0.f;
-        out.qs[at] = static_cast<float>(qsum);
+        (term == 0 ? out.d1 : out.d2)[i] = d;
+        quantised += static_cast<double>(d) * qsum;
       }
+      out.xs[i] = sum;
+      out.e[i] = static_cast<float>(8. * (static_cast<double>(sum) - quantised));
     }
   });
   return out;
 }
 
-inline int32_t four(const int8_t* p) {  // 4 int8 as one int32 (for a broadcast)
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
+// Input rows m0... of a Quantised: their two terms' rows and their per-group values.
+struct Rows {
+  const int8_t* xq;
+  const float *d1, *d2, *xs, *e;
+  int64_t K, G;
+
+  Rows at(int64_t m) const {
+    return {xq + 2 * m * K, d1 + m * G, d2 + m * G, xs + m * G, e + m * G, K, G};
+  }
+};
 
 #ifdef QL_AVX2
+#include "quant_linear_x86.h"
+#ifdef QL_VNNI
+// Two blocks a step where a task has two left, from 2 input rows (one row ran 1.12x faster
+// on 256-bit steps: AMD EPYC, AVX512-VNNI).
+using Wide = Z;
+constexpr int64_t WIDE_ROWS = 2;
+#else
+using Wide = Y;
+constexpr int64_t WIDE_ROWS = 1;
+#endif
 
-// Quantised rows 2i and 2i + 1 (an input row's two terms) summed into output row i.
-template <int R>
-inline void store_pairs(const __m256* tot, float* out, int64_t ldo) {
-  for (int r = 0; r < R; r += 2) {
-    _mm256_storeu_ps(out + (r / 2) * ldo, _mm256_add_ps(tot[r], tot[r + 1]));
-  }
-}
+#else  // no AVX2: the same arithmetic, one value at a time (correct, not fast)
 
-// R input rows against one 4-bit block: int16 sums over a group (8 products of <= 3810 each
-// stay below 32767), widened once per group.
-template <int R>
-inline void block4(const uint8_t* q, const float* sc, const float* mn, const int8_t* xq,
-                   const float* dx, const float* xs, const float* qs, int64_t K, float* out,
-                   int64_t ldo) {
-  const int64_t G = K / GROUP;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-    for (int64_t c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g * 4 + c) * 32));
-      const __m256i a = _mm256_and_si256(v, low);
-      const __m256i b = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* x8 = xq + r * K + g * GROUP + c * 8;
-        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(a, _mm256_set1_epi32(four(x8))));
-        acc[r] = _mm256_add_epi16(acc[r],
-                                  _mm256_maddubs_epi16(b, _mm256_set1_epi32(four(x8 + 4))));
-      }
-    }
-    const __m256 s = _mm256_loadu_ps(sc + g * NB);
-    const __m256 m = _mm256_fmadd_ps(_mm256_set1_ps(8.f), s, _mm256_loadu_ps(mn + g * NB));
-    for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r], ones)),
-                                       _mm256_set1_ps(8.f * qs[r * G + g]));
-      tot[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * G + g])), tot[r]);
-      tot[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * G + g]), tot[r]);
-    }
-  }
-  store_pairs<R>(tot, out, ldo);
-}
+constexpr int PMAX = 1;
+struct Y {
+  static constexpr int64_t BLOCKS = 1;
+};
+using Wide = Y;
+constexpr int64_t WIDE_ROWS = 1;
 
-// R input rows against one 8-bit block: |w| x (x with w's sign) keeps u8 x s8 (a pair sums
-// to <= 32512), widened to int32 at each step.
-template <int R>
-inline void block8(const uint8_t* q, const float* sc, const float*, const int8_t* xq,
-                   const float* dx, const float*, const float*, int64_t K, float* out,
-                   int64_t ldo) {
-  const int64_t G = K / GROUP;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_si256();
-    for (int64_t t = 0; t < GROUP / 4; ++t) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g * 8 + t) * 32));
-      const __m256i aw = _mm256_abs_epi8(w);
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_set1_epi32(four(xq + r * K + g * GROUP + t * 4));
-        const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w));
-        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(p, ones));
-      }
-    }
-    const __m256 s = _mm256_loadu_ps(sc + g * NB);
-    for (int r = 0; r < R; ++r) {
-      const __m256 dot = _mm256_cvtepi32_ps(acc[r]);
-      tot[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(dx[r * G + g])), tot[r]);
-    }
-  }
-  store_pairs<R>(tot, out, ldo);
-}
-
-template <int BITS>
-void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, const int8_t* xq,
-          const float* dx, const float* xs, const float* qs, int64_t K, float* out,
-          int64_t ldo) {
-  auto run = [&](auto kernel) { kernel(q, sc, mn, xq, dx, xs, qs, K, out, ldo); };
-  if constexpr (BITS == 4) {
-    return n == 2 ? run(block4<2>) : run(block4<4>);
-  }
-  return n == 2 ? run(block8<2>) : run(block8<4>);
-}
-
-#else  // no AVX2: the same integer arithmetic, one value at a time (correct, not fast)
-
-template <int BITS>
-void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, const int8_t* xq,
-          const float* dx, const float* xs, const float* qs, int64_t K, float* out,
-          int64_t ldo) {
-  const int64_t G = K / GROUP;
-  for (int64_t r = 0; r < n; r += 2) {
-    for (int64_t j = 0; j < NB; ++j) out[(r / 2) * ldo + j] = 0.f;
-  }
-  for (int64_t r = 0; r < n; ++r) {
+template <class, int BITS>
+void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, int64_t, int64_t,
+          const Rows& x, float* out, int64_t ldo) {
+  for (int64_t p = 0; p < n; ++p) {
     for (int64_t j = 0; j < NB; ++j) {
       float tot = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        int32_t dot = 0;
+      for (int64_t g = 0; g < x.G; ++g) {
+        int32_t dot[2] = {0, 0};
         for (int64_t i = g * GROUP; i < (g + 1) * GROUP; ++i) {
           int32_t w;
           if constexpr (BITS == 4) {
             const uint8_t byte = q[(i / 8) * 32 + j * 4 + i % 4];
-            w = ((i % 8) < 4 ? byte & 0x0F : byte >> 4) - 8;
+            w = (i % 8) < 4 ? byte & 0x0F : byte >> 4;
           } else {
             w = static_cast<int8_t>(q[(i / 4) * 32 + j * 4 + i % 4]);
           }
-          dot += w * xq[r * K + i];
+          for (int64_t term = 0; term < 2; ++term) dot[term] += w * x.xq[(2 * p + term) * x.K + i];
         }
-        const float s = sc[g * NB + j];
-        tot += static_cast<float>(dot) * (s * dx[r * G + g]);
-        if constexpr (BITS == 4) tot += (mn[g * NB + j] + 8.f * s) * xs[r * G + g];
+        const int64_t at = p * x.G + g;
+        const float s = sc[g * NB + j], one = static_cast<float>(dot[0]),
+                    two = static_cast<float>(dot[1]);
+        if constexpr (BITS == 4) {  // the vector kernels' order of operations
+          const float t = std::fma(one, x.d1[at], std::fma(two, x.d2[at], x.e[at]));
+          tot = std::fma(mn[g * NB + j], x.xs[at], std::fma(t, s, tot));
+        } else {
+          tot = std::fma(std::fma(two, x.d2[at], one * x.d1[at]), s, tot);
+        }
       }
-      out[(r / 2) * ldo + j] += tot;  // the two terms of input row r / 2 (zeroed before)
+      out[p * ldo + j] = tot;
     }
   }
 }
@@ -248,28 +190,29 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
   Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y.view(shape).to(x.scalar_type());
   const Quantised xq = quantise(xf.const_data_ptr<float>(), M, K);
+  const Rows all{xq.xq.data(), xq.d1.data(), xq.d2.data(), xq.xs.data(), xq.e.data(), K, G};
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
   const float* sp = scales.const_data_ptr<float>();
   const float* mp = bits == 4 ? mins.const_data_ptr<float>() : nullptr;
   float* yp = y.mutable_data_ptr<float>();
-  const int64_t qblock = K * NB * bits / 8;  // bytes of one block
+  const int64_t qblock = K * NB * bits / 8, sblock = G * NB;  // one block's bytes, scales
   at::parallel_for(0, NBLK, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+    for (int64_t b = b0; b < b1;) {
+      const bool wide = Wide::BLOCKS == 2 && b + 1 < b1 && M >= WIDE_ROWS;
       const uint8_t* qb = qp + b * qblock;
-      const float* sb = sp + b * G * NB;
-      const float* mb = mp ? mp + b * G * NB : nullptr;
-      for (int64_t r = 0; r < 2 * M; r += RP) {  // quantised rows; input row r / 2
-        const int64_t n = std::min(RP, 2 * M - r);
-        const int8_t* xr = xq.xq.data() + r * K;
-        const float *dr = xq.dx.data() + r * G, *sr = xq.xs.data() + r * G,
-                    *qr = xq.qs.data() + r * G;
-        float* out = yp + (r / 2) * N + b * NB;
-        if (bits == 4) {
-          rows<4>(n, qb, sb, mb, xr, dr, sr, qr, K, out, N);
+      const float* sb = sp + b * sblock;
+      const float* mb = mp ? mp + b * sblock : nullptr;
+      for (int64_t m = 0; m < M; m += PMAX) {
+        const int64_t n = std::min<int64_t>(PMAX, M - m);
+        float* out = yp + m * N + b * NB;
+        auto run = [&](auto kernel) { kernel(n, qb, sb, mb, qblock, sblock, all.at(m), out, N); };
+        if (wide) {
+          bits == 4 ? run(rows<Wide, 4>) : run(rows<Wide, 8>);
         } else {
-          rows<8>(n, qb, sb, mb, xr, dr, sr, qr, K, out, N);
+          bits == 4 ? run(rows<Y, 4>) : run(rows<Y, 8>);
         }
       }
+      b += wide ? 2 : 1;
     }
   });
   return y.view(shape).to(x.scalar_type());

@@ -74,9 +74,12 @@ class AutoRule:
     flag: str  # and /proc/cpuinfo must list this flag ("" = none needed)
     scheme: str
     measured: str  # the figures behind the choice, and the CPU they were measured on
+    absent: str = ""  # and /proc/cpuinfo must not list this one ("" = no such condition)
 
     def matches(self, caps: Capabilities) -> bool:
-        return caps.isa in self.isa and (not self.flag or self.flag in caps.flags)
+        flags = caps.flags
+        return (caps.isa in self.isa and (not self.flag or self.flag in flags)
+                and (not self.absent or self.absent not in flags))  # fmt: skip
 
 
 AUTO_RULES: tuple[AutoRule, ...] = (
@@ -174,29 +177,35 @@ def choose_decode_attention(setting: str, device: torch.device) -> str:
 
 def choose_linear_kernel(setting: str, device: torch.device, scheme: str) -> str:
     """``setting`` itself, or for "auto" (logged with its reason): native for the int4 scheme
-    on a CPU whose torch capability is AVX2, where it was measured (LINEAR_NATIVE), and the
-    kernel builds; else torch. An AVX-512 CPU runs the same AVX2 code, not measured against
-    torch's AVX-512 int4 kernel yet: torch there until it is."""
+    on a CPU of a class where it was measured faster than torch's int4 kernel (LINEAR_NATIVE:
+    AVX2; AVX-512 with VNNI and no AMX) and the kernel builds; else torch."""
     if setting != "auto":
         return setting
     kernel, why = "torch", f"--lm-weights {scheme}"
     if scheme == "int4" and device.type != "cpu":
         why = f"a {device.type} device"
     elif scheme == "int4":
-        isa = capabilities().isa
-        why = f"torch's capability {isa}: native not measured there"
-        if isa in LINEAR_NATIVE:
+        caps = capabilities()
+        rule = next((r for r in LINEAR_NATIVE if r.matches(caps)), None)
+        why = f"torch's capability {caps.isa}: native not measured on this CPU class"
+        if rule is not None:
             missing = _ops_missing("--linear-kernel", "this project's ops did not build")
-            kernel, why = ("torch", missing) if missing else ("native", LINEAR_NATIVE[isa])
+            kernel, why = ("torch", missing) if missing else ("native", rule.measured)
     log.info("--linear-kernel auto: %s (%s)", kernel, why)
     return kernel
 
 
-# Where --linear-kernel auto runs the native kernel, with what was measured there.
-LINEAR_NATIVE = {
-    "AVX2": "AMD EPYC, AVX2: SmolLM2's 30 layers 2.7x torch's int4 kernel at 1 row, 1.3-1.45x "
-    "at 8-16, the output layer in int8 2.7-5x bfloat16",
-}
+# Where --linear-kernel auto runs the native kernel, with what was measured there (the
+# SmolLM2 decode step's linears against torch's int4 kernel). AMX CPUs: torch's int4 GEMM
+# templates there are not measured against it yet.
+LINEAR_NATIVE: tuple[AutoRule, ...] = (
+    AutoRule("AVX512-VNNI", ("AVX512",), "avx512_vnni", "native",
+             "AMD EPYC, AVX512-VNNI: the max-autotune decode step 1.2x / 1.6x / 1.7x torch's "
+             "int4 kernel at 1 / 8 / 16 rows", absent="amx_tile"),
+    AutoRule("AVX2", ("AVX2",), "", "native",
+             "AMD EPYC, AVX2: SmolLM2's 30 layers 2.7x torch's int4 kernel at 1 row, "
+             "1.3-1.45x at 8-16, the output layer in int8 2.7-5x bfloat16"),
+)  # fmt: skip
 
 
 def _ops_missing(flag: str, failed: str) -> str:
