@@ -173,14 +173,31 @@ def test_a_q8_0_tensor_comes_back_bit_for_bit() -> None:
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (16, 64), generator=gen)
     q[:, ::GROUP] = 127  # each group holds its scale's extreme
-    d = torch.rand(16, 2, 1, generator=gen) + 0.01
+    d = (torch.rand(16, 2, 1, generator=gen) + 0.01).half().float()  # GGUF keeps float16
     w = (q.view(16, 2, GROUP) * d).view(16, 64)
     linear = nn.Linear(64, 16, bias=False)
     with torch.no_grad():
         linear.weight.copy_(w)
     layer = QuantLinear(linear, 8)
     assert torch.equal(unpack(layer, 64), q.int())
-    assert torch.allclose(full(layer.scales, 16, 64)[:, ::GROUP], d.view(16, 2))
+    assert torch.equal(full(layer.scales, 16, 64)[:, ::GROUP].float(), d.view(16, 2))
+
+
+def test_a_q4_1_tensor_comes_back_bit_for_bit() -> None:
+    """The GGUF's Q4_1 layers: w = q * d + m, d and m float16, each group spanning q 0..15."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randint(0, 16, (16, 64), generator=gen)
+    q[:, ::GROUP], q[:, 1::GROUP] = 0, 15
+    d = (torch.rand(16, 2, 1, generator=gen) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(16, 2, 1, generator=gen) * 0.05).half().float()
+    w = (q.view(16, 2, GROUP) * d + m).view(16, 64)
+    linear = nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    layer = QuantLinear(linear, 4)
+    assert torch.equal(unpack(layer, 64), q.int())
+    assert torch.equal(full(layer.scales, 16, 64)[:, ::GROUP].float(), d.view(16, 2))
+    assert torch.equal(full(layer.mins, 16, 64)[:, ::GROUP].float(), m.view(16, 2))
 
 
 def test_bad_input_is_refused_by_name() -> None:
@@ -194,7 +211,9 @@ def test_bad_input_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="last dimension must be K = 64"):
         op(torch.randn(2, 32), layer.q, layer.scales, layer.mins, 4)
     with pytest.raises(RuntimeError, match="mins"):
-        op(x, layer.q, layer.scales, torch.empty(0), 4)
+        op(x, layer.q, layer.scales, torch.empty(0, dtype=torch.float16), 4)
+    with pytest.raises(RuntimeError, match=r"scales: \[N / 8, K / 32, 8\] float16"):
+        op(x, layer.q, layer.scales.float(), layer.mins, 4)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         op(x.half(), layer.q, layer.scales, layer.mins, 4)
     with pytest.raises(ValueError, match="--linear-kernel native runs --lm-weights int4"):

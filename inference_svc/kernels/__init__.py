@@ -66,7 +66,7 @@ def directory_for(compile_cache_dir: str) -> Path:
 # subprocesses, seconds a restart from kept packages otherwise never spends.)
 ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl",
-               "-mavx512bw", "-mfma"],
+               "-mavx512bw", "-mfma", "-mf16c"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }  # fmt: skip
 

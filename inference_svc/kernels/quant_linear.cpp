@@ -1,5 +1,5 @@
 // inference::quant_linear: y = x @ W.T for W in 4- or 8-bit groups of 32 along the input
-// dimension, each group with a float32 scale (and, for 4 bits, a minimum):
+// dimension, each group with a float16 scale (and, for 4 bits, a minimum; GGUF's own types):
 //   bits 4: w = q * scale + min, q in [0, 15]      (GGUF's Q4_1)
 //   bits 8: w = q * scale,       q in [-128, 127]  (GGUF's Q8_0)
 // The input rows are quantised in two terms of 8 bits a group of 32, x ~ d1 q1 + d2 q2 (q2 the
@@ -16,7 +16,7 @@
 //   bits 4: q uint8 [N / 8, K / 8, 32]: byte i of chunk c is row i / 4 at input index
 //           8c + i % 4 in its low nibble and at 8c + 4 + i % 4 in its high nibble
 //   bits 8: q int8 [N / 8, K / 4, 32]: byte i of step t is row i / 4 at input 4t + i % 4
-//   scales, mins: float32 [N / 8, K / 32, 8]   (mins: an empty tensor for 8 bits)
+//   scales, mins: float16 [N / 8, K / 32, 8]   (mins: an empty tensor for 8 bits)
 // (inference_svc/models/weights.py packs them.) Returns [..., N] in x's dtype.
 //
 // A task takes blocks of weight rows and every input row, so each weight is read from memory
@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +46,7 @@ namespace {
 using at::Tensor;
 constexpr int64_t GROUP = 32;
 constexpr int64_t NB = 8;  // output rows per block
+using Half = uint16_t;     // float16's bits: the scales and minimums
 
 // Input rows quantised, each in two 8-bit terms (its first, then the rounding it left): xq
 // int8 [2M, K], row 2m input row m's first term and 2m + 1 its second. Per input row and
@@ -126,8 +128,10 @@ struct Y {
 using Wide = Y;
 constexpr int64_t WIDE_ROWS = 1;
 
+inline float half(Half h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
 template <class, int BITS>
-void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, int64_t, int64_t,
+void rows(int64_t n, const uint8_t* q, const Half* sc, const Half* mn, int64_t, int64_t,
           const Rows& x, float* out, int64_t ldo) {
   for (int64_t p = 0; p < n; ++p) {
     for (int64_t j = 0; j < NB; ++j) {
@@ -145,11 +149,11 @@ void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, int64_t
           for (int64_t term = 0; term < 2; ++term) dot[term] += w * x.xq[(2 * p + term) * x.K + i];
         }
         const int64_t at = p * x.G + g;
-        const float s = sc[g * NB + j], one = static_cast<float>(dot[0]),
+        const float s = half(sc[g * NB + j]), one = static_cast<float>(dot[0]),
                     two = static_cast<float>(dot[1]);
         if constexpr (BITS == 4) {  // the vector kernels' order of operations
           const float t = std::fma(one, x.d1[at], std::fma(two, x.d2[at], x.e[at]));
-          tot = std::fma(mn[g * NB + j], x.xs[at], std::fma(t, s, tot));
+          tot = std::fma(half(mn[g * NB + j]), x.xs[at], std::fma(t, s, tot));
         } else {
           tot = std::fma(std::fma(two, x.d2[at], one * x.d1[at]), s, tot);
         }
@@ -172,13 +176,13 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
   TORCH_CHECK(K % GROUP == 0, "K must be a multiple of ", GROUP);
   const int64_t G = K / GROUP;
   const std::vector<int64_t> sshape{NBLK, G, NB};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.sizes() == sshape &&
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.sizes() == sshape &&
                   scales.is_contiguous(),
-              "scales: [N / 8, K / 32, 8] float32");
+              "scales: [N / 8, K / 32, 8] float16");
   if (bits == 4) {
-    TORCH_CHECK(mins.scalar_type() == at::kFloat && mins.sizes() == sshape &&
+    TORCH_CHECK(mins.scalar_type() == at::kHalf && mins.sizes() == sshape &&
                     mins.is_contiguous(),
-                "mins: [N / 8, K / 32, 8] float32");
+                "mins: [N / 8, K / 32, 8] float16");
   }
   TORCH_CHECK(x.size(-1) == K, "x's last dimension must be K = ", K);
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
@@ -192,16 +196,16 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
   const Quantised xq = quantise(xf.const_data_ptr<float>(), M, K);
   const Rows all{xq.xq.data(), xq.d1.data(), xq.d2.data(), xq.xs.data(), xq.e.data(), K, G};
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
-  const float* sp = scales.const_data_ptr<float>();
-  const float* mp = bits == 4 ? mins.const_data_ptr<float>() : nullptr;
+  const auto* sp = static_cast<const Half*>(scales.const_data_ptr());
+  const auto* mp = bits == 4 ? static_cast<const Half*>(mins.const_data_ptr()) : nullptr;
   float* yp = y.mutable_data_ptr<float>();
   const int64_t qblock = K * NB * bits / 8, sblock = G * NB;  // one block's bytes, scales
   at::parallel_for(0, NBLK, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const bool wide = Wide::BLOCKS == 2 && b + 1 < b1 && M >= WIDE_ROWS;
       const uint8_t* qb = qp + b * qblock;
-      const float* sb = sp + b * sblock;
-      const float* mb = mp ? mp + b * sblock : nullptr;
+      const Half* sb = sp + b * sblock;
+      const Half* mb = mp ? mp + b * sblock : nullptr;
       for (int64_t m = 0; m < M; m += PMAX) {
         const int64_t n = std::min<int64_t>(PMAX, M - m);
         float* out = yp + m * N + b * NB;

@@ -1,4 +1,5 @@
-// quant_linear's x86 kernels (included by quant_linear.cpp, which defines GROUP, NB and Rows):
+// quant_linear's x86 kernels (included by quant_linear.cpp, which defines GROUP, NB, Half and
+// Rows):
 // P input rows (2P quantised rows: their two terms) against the weights of one step of
 // blocks, written once for two vector widths:
 //   Y: 256-bit vectors, one block (8 output rows) a step. AVX2's u8 x s8 -> s16 pairs, or
@@ -37,7 +38,9 @@ struct Y {
   static I load(const uint8_t* p, int64_t) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   }
-  static F load(const float* p, int64_t) { return _mm256_loadu_ps(p); }
+  static F load(const Half* p, int64_t) {  // 8 float16 as float32
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static I zero() { return _mm256_setzero_si256(); }
   static F zerof() { return _mm256_setzero_ps(); }
@@ -81,9 +84,10 @@ struct Z {
   static I load(const uint8_t* p, int64_t next) {  // p's 32 bytes, then those a block on
     return _mm512_inserti64x4(_mm512_castsi256_si512(Y::load(p, 0)), Y::load(p + next, 0), 1);
   }
-  static F load(const float* p, int64_t next) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p)),
-                              _mm256_loadu_ps(p + next), 1);
+  static F load(const Half* p, int64_t next) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + next));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
   }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static I zero() { return _mm512_setzero_si512(); }
@@ -136,7 +140,7 @@ struct Sums {
 
 // 4 bits: q the step's first block, qb (sb) the bytes (scales) from one block to the next.
 template <class V, int P>
-inline void block4(const uint8_t* q, const float* sc, const float* mn, int64_t qb, int64_t sb,
+inline void block4(const uint8_t* q, const Half* sc, const Half* mn, int64_t qb, int64_t sb,
                    const Rows& x, float* out, int64_t ldo) {
   const typename V::I mask = V::bytes(0x0F);
   typename V::F tot[P];
@@ -146,7 +150,7 @@ inline void block4(const uint8_t* q, const float* sc, const float* mn, int64_t q
     for (int64_t blk = 0; blk < V::BLOCKS; ++blk) {
       prefetch(ahead + blk * qb + g * 128);
       prefetch(ahead + blk * qb + g * 128 + 64);
-      if (g % 2 == 0) {
+      if (g % 4 == 0) {  // a line holds 4 groups' scales
         prefetch(sc + (V::BLOCKS + blk) * sb + g * NB);
         prefetch(mn + (V::BLOCKS + blk) * sb + g * NB);
       }
@@ -175,7 +179,7 @@ inline void block4(const uint8_t* q, const float* sc, const float* mn, int64_t q
 
 // 8 bits: |w| x (x with w's sign) keeps u8 x s8.
 template <class V, int P>
-inline void block8(const uint8_t* q, const float* sc, const float*, int64_t qb, int64_t sb,
+inline void block8(const uint8_t* q, const Half* sc, const Half*, int64_t qb, int64_t sb,
                    const Rows& x, float* out, int64_t ldo) {
   typename V::F tot[P];
   for (int p = 0; p < P; ++p) tot[p] = V::zerof();
@@ -183,7 +187,7 @@ inline void block8(const uint8_t* q, const float* sc, const float*, int64_t qb, 
   for (int64_t g = 0; g < x.G; ++g) {
     for (int64_t blk = 0; blk < V::BLOCKS; ++blk) {
       for (int64_t line = 0; line < 4; ++line) prefetch(ahead + blk * qb + g * 256 + line * 64);
-      if (g % 2 == 0) prefetch(sc + (V::BLOCKS + blk) * sb + g * NB);
+      if (g % 4 == 0) prefetch(sc + (V::BLOCKS + blk) * sb + g * NB);
     }
     Sums<V, P> acc;
     for (int64_t t = 0; t < GROUP / 4; ++t) {
@@ -214,7 +218,7 @@ inline void block8(const uint8_t* q, const float* sc, const float*, int64_t qb, 
 // n (1..PMAX) input rows against one step of V::BLOCKS blocks, in the pass of the largest
 // P <= n.
 template <class V, int BITS, int P = PMAX>
-void rows(int64_t n, const uint8_t* q, const float* sc, const float* mn, int64_t qb,
+void rows(int64_t n, const uint8_t* q, const Half* sc, const Half* mn, int64_t qb,
           int64_t sb, const Rows& x, float* out, int64_t ldo) {
   if constexpr (P > 1) {
     if (n < P) return rows<V, BITS, P - 1>(n, q, sc, mn, qb, sb, x, out, ldo);

@@ -34,13 +34,17 @@ log = logging.getLogger(__name__)
 GROUP = 32
 
 
-def int4_groups(w: Tensor) -> tuple[Tensor, Tensor, Tensor, float]:
+def int4_groups(
+    w: Tensor, store: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor, Tensor, float]:
     """``w`` [n, k] float32 in 4-bit groups of 32, w ~ q * scale + low: q [n, k/32, 32] in
-    [0, 15] (as float), scale and low [n, k/32, 1], and the largest weight change."""
+    [0, 15] (as float), scale and low [n, k/32, 1] (float32 holding values of ``store``, the
+    dtype they are kept in: q is rounded against those), and the largest weight change."""
     n, k = w.shape
     groups = w.view(n, k // GROUP, GROUP)
-    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    low = groups.amin(-1, keepdim=True).to(store).float()
+    high = groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=torch.finfo(store).tiny).to(store).float()
     q = ((groups - low) / scale).round().clamp(0, 15)
     return q, scale, low, float(((q * scale + low) - groups).abs().max())
 
@@ -99,11 +103,14 @@ class QuantLinear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         n, k = w.shape
+        # scales and minimums in float16, as GGUF keeps Q4_1 and Q8_0 (its weights come back
+        # exactly)
         if bits == 4:
-            q, scale, low, self.max_error = int4_groups(w)
+            q, scale, low, self.max_error = int4_groups(w, torch.float16)
         else:
             groups, low = w.view(n, k // GROUP, GROUP), None
-            scale = (groups.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(w.dtype).tiny)
+            scale = groups.abs().amax(-1, keepdim=True) / 127
+            scale = scale.clamp(min=torch.finfo(torch.float16).tiny).half().float()
             q = (groups / scale).round().clamp(-128, 127)
             self.max_error = float((q * scale - groups).abs().max())
         b = self.BLOCK
@@ -115,12 +122,13 @@ class QuantLinear(nn.Module):
             packed = q.to(torch.int8).view(n // b, b, k // 4, 4).permute(0, 2, 1, 3)
             packed = packed.reshape(n // b, k // 4, 32)
 
-        def per_block(t: Tensor) -> Tensor:  # [n, k/32, 1] -> [n/8, k/32, 8]
-            return t.view(n // b, b, k // GROUP).transpose(1, 2).contiguous()
+        def per_block(t: Tensor) -> Tensor:  # [n, k/32, 1] -> [n/8, k/32, 8] float16
+            return t.view(n // b, b, k // GROUP).transpose(1, 2).half().contiguous()
 
         self.register_buffer("q", packed.contiguous())
         self.register_buffer("scales", per_block(scale))
-        self.register_buffer("mins", per_block(low) if low is not None else torch.empty(0))
+        empty = torch.empty(0, dtype=torch.float16)
+        self.register_buffer("mins", per_block(low) if low is not None else empty)
         self.bits, self.out_features = bits, n
 
     @classmethod
