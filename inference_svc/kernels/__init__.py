@@ -3,9 +3,10 @@
 - ``torch.ops.inference.decode_attention`` (decode_attention.cpp): a decode step's attention
   over the KV cache near the cache's read time, where torch's CPU SDPA takes 2-6x it
   (bench/decode_attention.py; ``--decode-attention native``).
-- ``torch.ops.inference.quant_linear`` (quant_linear.cpp): a linear layer in 4- or 8-bit
-  groups as integer dot products, 1.3-2.7x torch's int4 kernel on an AVX2 CPU
-  (models/weights.py ``QuantLinear``; ``--linear-kernel native``).
+- ``torch.ops.inference.quant_linear`` (quant_linear.cpp, quant_linear_x86.h): a linear layer
+  in 4- or 8-bit groups as integer dot products, 1.3-2.7x torch's int4 kernel on an AVX2 CPU,
+  1.2-1.7x its decode step on AVX512-VNNI (models/weights.py ``QuantLinear``;
+  ``--linear-kernel native``).
 - ``torch.classes.inference.Package`` and ``torch.ops.inference.run_package`` (package.cpp):
   an AOTInductor package run with the GIL released (models/aoti.py).
 
