@@ -9,9 +9,9 @@
 // Why: torch's CPU SDPA (flash kernel) reads a decode step's cache at 4-6x its bytes' time
 // (bench/decode_attention.py). Here each task reads its slice of keys, then of values, once
 // from memory (then from cache for each of the G query heads). A row's visible slots are
-// split into pieces of about equal length, so rows of different ages and a lone row's few KV
-// heads still spread evenly over the threads; the pieces' partial softmax (max, sum,
-// weighted values) are merged after (flash-decoding). Built with the vector ISA inductor picks for this CPU (CPU_CAPABILITY_*
+// split into chunks when rows x KV heads alone leave threads idle (one row, 3 KV heads, 2
+// threads); the chunks' partial softmax (max, sum, weighted values) are merged after
+// (flash-decoding). Built with the vector ISA inductor picks for this CPU (CPU_CAPABILITY_*
 // and its -m flags, models/../kernels/__init__.py): at::vec is AVX-512, AVX2 or scalar.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -130,48 +130,24 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos
   T* op = out.mutable_data_ptr<T>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
-  // Tasks: each (row, KV head)'s visible slots in pieces of at most `target` slots (none
-  // under 32 unless the row has fewer), so that rows of different ages spread evenly: each
-  // thread takes the tasks that start in its equal share of all the slots.
-  struct Task {
-    int64_t b, h, lo, hi;
-  };
-  std::vector<Task> tasks;
-  std::vector<int64_t> first_task(B * KV + 1, 0), start{0};  // start: slots before a task
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t last = std::min<int64_t>(pp[b], L - 1);
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pp[b] - window + 1) : 0;
-    total += KV * std::max<int64_t>(0, last - first + 1);
-  }
+  // Chunks per (row, KV head): enough tasks for every thread twice over, none under 32 slots.
   const int64_t threads = at::get_num_threads();
-  const int64_t target = std::max<int64_t>(32, (total + 2 * threads - 1) / (2 * threads));
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t last = std::min<int64_t>(pp[b], L - 1);
-    const int64_t first = window > 0 ? std::max<int64_t>(0, pp[b] - window + 1) : 0;
-    const int64_t n = std::max<int64_t>(0, last - first + 1);
-    const int64_t pieces = std::max<int64_t>(1, (n + target - 1) / target);
-    for (int64_t h = 0; h < KV; ++h) {
-      for (int64_t c = 0; c < pieces; ++c) {
-        tasks.push_back({b, h, first + n * c / pieces, first + n * (c + 1) / pieces});
-        start.push_back(start.back() + std::max<int64_t>(1, n / pieces));
-      }
-      first_task[b * KV + h + 1] = static_cast<int64_t>(tasks.size());
-    }
-  }
-  const int64_t part = D + 2;  // per query head and task: max, sum, weighted values
-  std::vector<float> parts(tasks.size() * G * part);
+  const int64_t want = (2 * threads + B * KV - 1) / (B * KV);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(want, L / 32));
+  const int64_t part = D + 2;  // per query head and chunk: max, sum, weighted values
+  std::vector<float> parts(B * KV * chunks * G * part);
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+  at::parallel_for(0, B * KV * chunks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s, qf(G * D), kbuf, vbuf;
-    const int64_t from = start.back() * t0 / threads, to = start.back() * t1 / threads;
-    auto it = std::lower_bound(start.begin(), start.end() - 1, from);
-    for (int64_t t = it - start.begin(); t < static_cast<int64_t>(tasks.size()) && start[t] < to;
-         ++t) {
-      const auto [b, h, lo, hi] = tasks[t];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t c = t % chunks, h = (t / chunks) % KV, b = t / (chunks * KV);
+      const int64_t last = std::min<int64_t>(pp[b], L - 1);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, pp[b] - window + 1) : 0;
+      const int64_t n = std::max<int64_t>(0, last - first + 1);
+      const int64_t lo = first + n * c / chunks, hi = first + n * (c + 1) / chunks;
       float* res = parts.data() + t * G * part;
-      if (hi <= lo) {  // nothing visible: an empty partial result
+      if (hi <= lo) {  // nothing visible in this chunk: an empty partial result
         for (int64_t g = 0; g < G; ++g) {
           float* r = res + g * part;
           r[0] = -INFINITY;
@@ -196,19 +172,19 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos
     }
   });
 
-  // Merge each query head's pieces: rescale to the largest max, divide by the total sum.
+  // Merge each query head's chunks: rescale to the largest max, divide by the total sum.
   at::parallel_for(0, B * KV * G, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t g = i % G, bh = i / G;
-      const int64_t t0 = first_task[bh], t1 = first_task[bh + 1];
+      const float* first = parts.data() + bh * chunks * G * part + g * part;
       float mx = -INFINITY;
-      for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, parts[(t * G + g) * part]);
+      for (int64_t c = 0; c < chunks; ++c) mx = std::max(mx, first[c * G * part]);
       float sum = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
       if (mx != -INFINITY) {
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* r = parts.data() + (t * G + g) * part;
+        for (int64_t c = 0; c < chunks; ++c) {
+          const float* r = first + c * G * part;
           const float w = std::exp(r[0] - mx);
           sum += w * r[1];
           for (int64_t x = 0; x < D; ++x) acc[x] += w * r[2 + x];
