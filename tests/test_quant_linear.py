@@ -168,19 +168,27 @@ def test_near_torchs_int4_kernel_on_a_model_sized_layer() -> None:
     assert (ours - torchs).norm() / torchs.norm() < 0.02
 
 
+def _comes_back(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
+    """A GGUF tensor [16, 64] (w = q * d (+ m), d and m float16 per group of 32) packed by
+    QuantLinear: its q, scales and minimums exactly."""
+    w = q.view(16, 2, GROUP) * d + (m if m is not None else 0)
+    linear = nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(w.view(16, 64))
+    layer = QuantLinear(linear, bits)
+    assert torch.equal(unpack(layer, 64), q.int())
+    assert torch.equal(full(layer.scales, 16, 64)[:, ::GROUP].float(), d.view(16, 2))
+    if m is not None:
+        assert torch.equal(full(layer.mins, 16, 64)[:, ::GROUP].float(), m.view(16, 2))
+
+
 def test_a_q8_0_tensor_comes_back_bit_for_bit() -> None:
     """The GGUF's Q8_0 output layer: a group's largest |q| is 127, w = q * d."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (16, 64), generator=gen)
     q[:, ::GROUP] = 127  # each group holds its scale's extreme
     d = (torch.rand(16, 2, 1, generator=gen) + 0.01).half().float()  # GGUF keeps float16
-    w = (q.view(16, 2, GROUP) * d).view(16, 64)
-    linear = nn.Linear(64, 16, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(w)
-    layer = QuantLinear(linear, 8)
-    assert torch.equal(unpack(layer, 64), q.int())
-    assert torch.equal(full(layer.scales, 16, 64)[:, ::GROUP].float(), d.view(16, 2))
+    _comes_back(8, q, d, None)
 
 
 def test_a_q4_1_tensor_comes_back_bit_for_bit() -> None:
@@ -190,14 +198,7 @@ def test_a_q4_1_tensor_comes_back_bit_for_bit() -> None:
     q[:, ::GROUP], q[:, 1::GROUP] = 0, 15
     d = (torch.rand(16, 2, 1, generator=gen) * 0.01 + 1e-4).half().float()
     m = (-torch.rand(16, 2, 1, generator=gen) * 0.05).half().float()
-    w = (q.view(16, 2, GROUP) * d + m).view(16, 64)
-    linear = nn.Linear(64, 16, bias=False)
-    with torch.no_grad():
-        linear.weight.copy_(w)
-    layer = QuantLinear(linear, 4)
-    assert torch.equal(unpack(layer, 64), q.int())
-    assert torch.equal(full(layer.scales, 16, 64)[:, ::GROUP].float(), d.view(16, 2))
-    assert torch.equal(full(layer.mins, 16, 64)[:, ::GROUP].float(), m.view(16, 2))
+    _comes_back(4, q, d, m)
 
 
 def test_bad_input_is_refused_by_name() -> None:

@@ -15,8 +15,8 @@ each layer casts its input to the weights' dtype and its output back.
 ``--linear-kernel native`` runs the ``int4`` scheme on this project's kernel instead
 (``inference::quant_linear``, inference_svc/kernels/quant_linear.cpp: integer dot products
 against the activations quantised in two 8-bit terms a group of 32): the same 4-bit
-groups with float32 scales and minimums, and the output layer in 8-bit groups of 32 (the
-GGUF's own Q8_0), both in ``QuantLinear``.
+groups with float16 scales and minimums (as the GGUF keeps them), and the output layer in
+8-bit groups of 32 (the GGUF's own Q8_0), both in ``QuantLinear``.
 """
 
 from __future__ import annotations
