@@ -199,7 +199,12 @@ def report(results: dict) -> None:
         j = r["joins"]
         print(f"\n{name}:")
         if 1 in by and 8 in by:
-            print(f"  8 streams / 1 stream tokens/s:        {by[8] / by[1]:.2f}  (goal >= 3)")
+            # The continuous-batching goal, set while one stream was overhead-bound: a step
+            # near the memory limit at one row (int4 packages) lowers it (bench/README.md).
+            print(
+                f"  8 streams / 1 stream tokens/s:        {by[8] / by[1]:.2f}  (goal >= 3 "
+                "for an overhead-bound stream)"
+            )
         if 8 in by and 1 in peer:
             label = f"8 streams / {peer_name} 1 stream:"
             print(f"  {label:<38}{by[8] / peer[1]:.2f}  (goal >= 1)")
