@@ -10,9 +10,12 @@ them: cold), eager: SDPA as ``LlamaLM.decode`` calls it with ``--decode-attentio
 ``torch.ops.inference.decode_attention`` (inference_svc/kernels, built or loaded from the
 user's cache), the two timed in turns (bench/in_process.py's interleaved medians). The
 first row attends to every slot, the others to a random number of them, as rows of
-different ages do. Prints microseconds a layer for each, the time the bytes the rows attend
-to take at the machine's measured read bandwidth, and the largest difference between the
-two; writes results/decode_attention.json. A benchmark, not a test: it asserts nothing.
+different ages do. A third arm runs the kernel on the same caches in transparent huge
+pages, allocated as the service allocates its cache (inference_svc/models/hugepages.py; the
+others lie in torch's 4 KiB pages). Prints microseconds a layer for each, the time the bytes
+the rows attend to take at the machine's measured read bandwidth, and the largest difference
+between SDPA and the kernel; writes results/decode_attention.json. A benchmark, not a test:
+it asserts nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from bench.common import add_quick_flags, results_dir  # noqa: E402
 from bench.decode_step import bandwidth_gib_s  # noqa: E402
 from bench.in_process import interleaved  # noqa: E402
 from inference_svc import kernels  # noqa: E402
+from inference_svc.models import hugepages  # noqa: E402
 
 KV, GROUP, HEAD = 3, 3, 64
 
@@ -57,10 +61,19 @@ def measure(batch: int, slots: int, layers: int, calls: int, gib_s: float) -> di
         for k, v in zip(ks, vs, strict=True):
             op(q, k[:batch, :, :slots], v[:batch, :, :slots], pos, 0, scale)
 
+    huge_k, pages = hugepages.zeros(layers, tuple(ks[0].shape), torch.float32)
+    huge_v, _ = hugepages.zeros(layers, tuple(ks[0].shape), torch.float32)
+    for copy, source in zip([*huge_k, *huge_v], [*ks, *vs], strict=True):
+        copy.copy_(source)
+
+    def native_huge() -> None:
+        for k, v in zip(huge_k, huge_v, strict=True):
+            op(q, k[:batch, :, :slots], v[:batch, :, :slots], pos, 0, scale)
+
     k, v = ks[0][:batch, :, :slots], vs[0][:batch, :, :slots]
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     got = op(q, k, v, pos, 0, scale)
-    arms = {"sdpa": sdpa, "native": native}
+    arms = {"sdpa": sdpa, "native": native, "huge": native_huge}
     for fn in arms.values():
         for _ in range(5):  # warm: first calls allocate
             fn()
@@ -70,6 +83,8 @@ def measure(batch: int, slots: int, layers: int, calls: int, gib_s: float) -> di
         "batch": batch, "slots": slots,
         "sdpa_us": ms[("sdpa", 0)] * 1e3 / layers,
         "native_us": ms[("native", 0)] * 1e3 / layers,
+        "native_huge_us": ms[("huge", 0)] * 1e3 / layers,
+        "huge_pages": pages,
         "bytes_us": read / (gib_s * 2**30) * 1e6,
         "max_diff": float((want - got).abs().max()),
     }  # fmt: skip
@@ -95,12 +110,15 @@ def main(argv: list[str] | None = None) -> int:
         f"decode attention, {layers} layers with their own caches, eager, "
         f"{torch.get_num_threads()} threads, read bandwidth {gib_s:.1f} GiB/s; us a layer"
     )
+    print(f"native in huge pages: {rows[0]['huge_pages'] if rows else '-'}")
     print(f"{'batch':>5} {'slots':>6} {'SDPA':>8} {'native':>8} {'SDPA/native':>11} "
-          f"{'bytes':>7} {'max diff':>9}")  # fmt: skip
+          f"{'huge':>8} {'huge/native':>11} {'bytes':>7} {'max diff':>9}")  # fmt: skip
     for r in rows:
         print(
             f"{r['batch']:>5} {r['slots']:>6} {r['sdpa_us']:>8.1f} {r['native_us']:>8.1f} "
-            f"{r['sdpa_us'] / r['native_us']:>11.2f} {r['bytes_us']:>7.1f} {r['max_diff']:>9.1e}"
+            f"{r['sdpa_us'] / r['native_us']:>11.2f} {r['native_huge_us']:>8.1f} "
+            f"{r['native_huge_us'] / r['native_us']:>11.2f} {r['bytes_us']:>7.1f} "
+            f"{r['max_diff']:>9.1e}"
         )
     (out / "decode_attention.json").write_text(
         json.dumps({"threads": torch.get_num_threads(), "bandwidth_gib_s": gib_s, "rows": rows},

@@ -4,6 +4,7 @@
       [--backends eager,aoti] [--context 256] [--calls 30] (--weights int4:native: int4 on
       this project's linear kernel)
       [--mode max-autotune] [--freeze-weights on] [--attention native,sdpa]
+      [--kv-pages huge,4k]
       [--quick --lm-model DIR]   (smoke run: tiny model, batch 1 and 2, 3 calls)
 
 The service's own model code and padding: eager (mode none) and from an AOTInductor
@@ -15,8 +16,10 @@ weight once (plus the rows' KV cache), so at small batches its floor is weight b
 memory bandwidth (measured here: a sum over 512 MiB); a step above it is overhead, not
 arithmetic. Prints the CPU (what inference_svc/models/cpu.py reads), the median step per
 arm and batch with its speed-up over the first weights' eager step and its ratio to the
-floor, and what ``--lm-weights auto`` chooses here (its table comes from the eager
-columns); writes results/decode_step.json. A benchmark, not a test: it asserts nothing.
+floor (--kv-pages huge,4k: each arm also with its KV cache in torch's 4 KiB pages, a row
+"BACKEND/4k": the same model, the cache swapped in for its calls), and what
+``--lm-weights auto`` chooses here (its table comes from the eager columns); writes
+results/decode_step.json. A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +79,28 @@ def load(
     return m
 
 
+class FourKiB:
+    """A model's decode step on a KV cache in torch's own 4 KiB pages (the service's lies in
+    huge pages where the kernel gives them: models/hugepages.py): the same model and
+    packages, this cache swapped in for each call."""
+
+    def __init__(self, m: GenerativeModel) -> None:
+        assert m.k_cache is not None, "allocate the model's cache first"
+        self.m, self.lm = m, m.lm
+        with torch.inference_mode(False):
+            self.k = [torch.zeros_like(t) for t in m.k_cache]
+            self.v = [torch.zeros_like(t) for t in m.k_cache]
+
+    def decode(self, *args: object) -> torch.Tensor:
+        m = self.m
+        own = m.k_cache, m.v_cache
+        m.k_cache, m.v_cache = self.k, self.v
+        try:
+            return m.decode(*args)
+        finally:
+            m.k_cache, m.v_cache = own
+
+
 def weight_bytes(m: GenerativeModel) -> int:
     """Bytes a decode step reads at least: every weight once (parameters and buffers, e.g.
     bfloat16 or int4 linears), the token embedding only where it is the output layer too
@@ -128,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         help="native and/or sdpa: the decode step's attention (--decode-attention)",
     )
     p.add_argument("--context", type=int, default=256, help="slots attended")
+    p.add_argument("--kv-pages", default="huge", choices=("huge", "huge,4k"),
+                   help="huge,4k: each arm also on a cache in 4 KiB pages")  # fmt: skip
     p.add_argument("--calls", type=int, default=30, help="timed calls per point (median)")
     p.add_argument("--mode", default="max-autotune", choices=("default", "max-autotune"))
     p.add_argument("--freeze-weights", default="on", choices=("on", "off"))
@@ -146,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     top = max(max(batches), 2)
     # Loaded outside inference mode: torch.export cannot trace inference tensors.
     models = {(w, be): load(a, w, be, top, stores) for w in weights for be in backends}
+    if a.kv_pages == "huge,4k":
+        models |= {(w, f"{be}/4k"): FourKiB(m) for (w, be), m in list(models.items())}
     floors = {arm: weight_bytes(m) / 2**30 / bandwidth * 1e3 for arm, m in models.items()}
     with torch.inference_mode():
         ms, first = measure(models, batches, a.context, a.calls)

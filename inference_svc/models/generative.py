@@ -12,6 +12,7 @@ from torch import Tensor
 from inference_api.plan import Bucket, CompilationMode
 from inference_svc.compile_monitor import Origin
 from inference_svc.limits import GenLimits
+from inference_svc.models import hugepages
 from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.decoder_shape import text_decoder
@@ -107,6 +108,7 @@ class GenerativeModel:
         # One [rows, kv_heads, slots, head_dim] tensor per layer (None until sized).
         self.k_cache: list[Tensor] | None = None
         self.v_cache: list[Tensor] | None = None
+        self.cache_pages = ""  # how the cache is allocated (hugepages.zeros)
 
     @property
     def graphs(self) -> list[AotiGraph]:
@@ -139,13 +141,19 @@ class GenerativeModel:
         # sees views of this tensor (and guards on its base's sizes), so no view's batch or
         # context may equal the base's, or the graph specialises on that equality.
         dims = (rows + 1, s.num_kv_heads, self.limits.max_seq_len + 1, s.head_dim)
-        opts = {"dtype": self.dtype, "device": self.device}
+        self.k_cache = self.v_cache = None  # the old cache freed before the new one is made
         # Normal tensors, not inference tensors (the compute thread runs under inference
         # mode): torch.export traces the in-place cache writes outside it (models/aoti.py).
         with torch.inference_mode(False):
-            self.k_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
-            self.v_cache = [torch.zeros(dims, **opts) for _ in range(s.num_layers)]
-        log.info("model %s: KV cache %d rows x %d slots", self.name, rows, dims[2] - 1)
+            if self.device.type == "cpu":  # in huge pages where the kernel gives them
+                both, how = hugepages.zeros(2 * s.num_layers, dims, self.dtype)
+            else:
+                both = [torch.zeros(dims, dtype=self.dtype, device=self.device)
+                        for _ in range(2 * s.num_layers)]  # fmt: skip
+                how = str(self.device)
+        self.k_cache, self.v_cache = both[: s.num_layers], both[s.num_layers :]
+        self.cache_pages = how
+        log.info("model %s: KV cache %d rows x %d slots, %s", self.name, rows, dims[2] - 1, how)
 
     def free_cache(self) -> None:
         self.k_cache = self.v_cache = None
