@@ -70,3 +70,35 @@ def test_a_conversion_that_fails_to_cache_leaves_no_partial_copy(
     with pytest.raises(OSError, match="No space"):
         _write_cached(cached, config, state, Full())
     assert list(tmp_path.iterdir()) == []  # neither the cache nor a temporary copy
+
+
+def mapped(path: Path) -> bool:
+    """Whether this process maps ``path`` (a file read with mmap and still referenced)."""
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_a_loaded_lm_keeps_no_page_of_its_file_mapped(tiny_lm_dir: Path, tmp_path: Path) -> None:
+    # A state read from safetensors is views of the file's mapping: one weight left there
+    # (the embedding, once the linears are fused or quantised) kept the whole file resident.
+    import gc
+
+    from inference_svc.models.llama import LlamaLM, LlamaShape
+    from inference_svc.models.loading import own_memory
+
+    config, state, tokenizer = load_causal_lm_parts(tiny_lm_dir, None)
+    cached = tmp_path / "model-0123"
+    _write_cached(cached, config, state, tokenizer)
+    config, state, _ = _read_cached(cached)
+    shape = LlamaShape.from_hf(config)
+    lm, _ = LlamaLM.from_state(shape, state)
+    want = {k: v.clone() for k, v in lm.state_dict().items()}
+    del state
+    gc.collect()
+    assert mapped(cached / "model.safetensors"), "the read state is not a mapping: test void"
+    lm.fuse()
+    own_memory(lm)
+    gc.collect()
+    assert not mapped(cached / "model.safetensors")
+    assert all(torch.equal(v, lm.state_dict()[k]) for k, v in want.items() if k in lm.state_dict())
+    if shape.tie_embeddings:
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight

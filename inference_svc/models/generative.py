@@ -17,7 +17,7 @@ from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.decoder_shape import text_decoder
 from inference_svc.models.llama import LlamaLM, LlamaShape
-from inference_svc.models.loading import load_causal_lm_parts
+from inference_svc.models.loading import load_causal_lm_parts, own_memory
 from inference_svc.models.weights import convert_linears, numerics
 
 log = logging.getLogger(__name__)
@@ -273,6 +273,7 @@ def load_generative(
     if linear == "native":
         _load_kernels("--linear-kernel", "torch")
     convert_linears(lm, weights, linear)
+    own_memory(lm)  # the file's mapping unmapped with its last tensor
     if attention == "native":
         _use_native_attention(lm, ctx)
     eos = _eos_ids(directory, (config, text), tokenizer)

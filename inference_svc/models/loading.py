@@ -223,3 +223,48 @@ def _write_cached(
         log.info("cached the converted model in %s", cached)
     finally:  # a copy that did not become the cache (failed, or another's came first)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def own_memory(module: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``module`` that lies in a file's mapping moved into
+    memory of its own.
+
+    A state read from a safetensors file (the converted GGUF in the cache, a Hugging Face
+    directory) is views of the file's mapping, and one tensor left there keeps every page of
+    it that loading touched resident: with its linears fused or converted, the packaged
+    SmolLM2 held its whole 513 MiB float32 file mapped beside the weights it runs on (int4:
+    only the 113 MiB embedding still read it). Shared tensors stay shared (a tied output
+    layer, a buffer registered twice). Where the mappings cannot be read (not Linux), every
+    tensor is copied."""
+    spans = _file_mappings()
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its copy)
+    for mod in module.modules():
+        for store in (mod._parameters, mod._buffers):
+            for name, t in store.items():
+                if t is None:
+                    continue
+                if id(t) not in copies:
+                    at = t.untyped_storage().data_ptr()
+                    if spans is not None and not any(lo <= at < hi for lo, hi in spans):
+                        copies[id(t)] = (t, t)  # memory of its own already
+                    elif isinstance(t, torch.nn.Parameter):  # one object wherever tied
+                        copies[id(t)] = (t, t)
+                        t.data = t.data.clone()
+                    else:
+                        copies[id(t)] = (t, t.clone())
+                store[name] = copies[id(t)][1]
+
+
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges where this process maps files (/proc/self/maps), None unreadable."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    spans = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):  # a path: not [heap], not anonymous
+            lo, hi = parts[0].split("-")
+            spans.append((int(lo, 16), int(hi, 16)))
+    return spans
