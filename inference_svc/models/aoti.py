@@ -79,13 +79,29 @@ class Family:
     dynamic_shapes: Callable[[dict[str, Any], Args], Any]
 
 
-def inductor_options(mode: CompilationMode, freeze: bool) -> dict[str, Any]:
+def inductor_options(
+    mode: CompilationMode, freeze: bool, module: torch.nn.Module | None = None
+) -> dict[str, Any]:
+    """A package's inductor options. Its weights lie beside its library, to be lent by the
+    model (models/aoti_weights.py), where they stay the model's own: unfrozen, or frozen in a
+    ``module`` with nothing that freezing prepacks (``freezing_keeps_weights``)."""
     opts: dict[str, Any] = {"freezing": freeze}
-    if not freeze:  # the weights stay the model's own: shared with it (models/aoti_weights.py)
+    if not freeze or (module is not None and freezing_keeps_weights(module)):
         opts.update(UNFROZEN_OPTIONS)
     if mode is CompilationMode.MAX_AUTOTUNE:
         opts.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     return opts
+
+
+def freezing_keeps_weights(module: torch.nn.Module) -> bool:
+    """Whether freezing leaves ``module``'s weights as they are: no float linear layer, whose
+    weight inductor would prepack into oneDNN's opaque layout (a tensor with no storage,
+    which a package can only keep inside its library). The int4 scheme on this project's
+    kernel (``--linear-kernel native``) has none: its frozen packages then share the
+    model's weights as unfrozen ones do (the packaged SmolLM2's two: 2 x 200 MiB less)."""
+    from inference_svc.models.weights import BFloat16Linear
+
+    return not any(isinstance(m, (torch.nn.Linear, BFloat16Linear)) for m in module.modules())
 
 
 class AotiGraph:
@@ -183,10 +199,23 @@ class AotiGraph:
         path = self.store.target(self.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{uuid.uuid4().hex}-{path.name}")  # ends in .pt2, as torch asks
-        with torch.no_grad():
-            torch._inductor.aoti_compile_and_package(
-                program, package_path=str(part), inductor_configs=self.options
-            )
+        try:
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(part), inductor_configs=self.options
+                )
+        except Exception as e:
+            if not self.options.get("freezing") or not UNFROZEN_OPTIONS.keys() & self.options:
+                raise
+            # A frozen constant that cannot lie beside the library (an opaque prepacked
+            # weight freezing_keeps_weights did not foresee): keep them all inside it.
+            log.warning("package %s: frozen weights cannot be kept beside the library (%s); "
+                        "building it with them inside", self.name, _short(e))  # fmt: skip
+            self.options = {k: v for k, v in self.options.items() if k not in UNFROZEN_OPTIONS}
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(part), inductor_configs=self.options
+                )
         left = strip_shared(part, self.module)  # what the model lends is not stored twice
         part.rename(path)
         run = _load(path, self.module)

@@ -7,8 +7,10 @@ copies of the weights beside the eager model's (measured on the packaged SmolLM2
 (``--freeze-weights off``) keeps them as the model's own parameters, by name; such a package
 is built with its weights outside the library (``UNFROZEN_OPTIONS``) and loaded with the
 eager model's tensors, handed over without a copy (``user_managed``): the packages and the
-eager model share one copy. Frozen weights are folded and prepacked (oneDNN's opaque
-layout) and differ from the parameters, so a frozen package keeps its own copy.
+eager model share one copy. Frozen float linear weights are folded and prepacked
+(oneDNN's opaque layout) and differ from the parameters, so such a frozen package keeps its
+own copy; a frozen package whose weights freezing leaves as they are (int4 layers on this
+project's kernel: aoti.freezing_keeps_weights) is built and shared as an unfrozen one.
 
 What the model does not hold under a constant's name, shape and strides (a constant that
 export lifted from the code, a parameter that a tensor subclass stores as parts) comes from
@@ -140,7 +142,8 @@ def constants(path: Path, names: list[str], module: torch.nn.Module) -> Constant
 def strip_shared(path: Path, module: torch.nn.Module) -> int:
     """Rewrite the package at ``path`` without the weight files the module holds exactly
     (every constant stored in the file: same name, dtype, shape, strides and values), and
-    list what was left out. Returns the bytes removed; 0 for a frozen package."""
+    list what was left out. Returns the bytes removed; 0 for a package that keeps its
+    weights inside its library (built frozen with prepacked ones)."""
     with zipfile.ZipFile(path) as z:
         record = _record(z)
         if record is None:

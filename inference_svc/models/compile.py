@@ -45,7 +45,7 @@ class ModelContext:
         if self.backend != "aoti" or family is None or self.packages is None:
             return dynamo()
         name = f"{self.name}-{family.graph}"
-        options = inductor_options(self.mode, self.freeze)
+        options = inductor_options(self.mode, self.freeze, module)
         return AotiGraph(module, family, name, options, self.packages, self.monitor, dynamo)
 
 
