@@ -2,10 +2,10 @@
 
 A decode step reads each row's cache, a block of keys and one of values per (row, KV head)
 and layer: at 16 rows x 1024 slots of the packaged SmolLM2 a step's reads span ~180K 4 KiB
-pages, far more than a TLB holds. In 2 MiB pages the native decode attention ran 0.87-0.94x
-its time on 4 KiB pages, and the int4 decode step 0.96-0.98x at 8 and 16 rows, ~1.0 at one
-(bench/README.md, "The KV cache in huge pages"). The weights in huge pages measured no gain
-(a step reads each layer's weights as one stream), so only the cache asks for them.
+pages, far more than a TLB holds. In 2 MiB pages the int4 package's decode step ran 1.05 /
+1.12 / 1.12x faster at 1 / 8 / 16 rows and context 1000, 1.00 / 1.04 / 1.05x at 256
+(bench/README.md, "The KV cache in huge pages"). The weights in huge pages measured no gain,
+so only the cache asks for them.
 
 Linux backs memory with huge pages where ``/sys/kernel/mm/transparent_hugepage/enabled`` is
 ``always``, or ``madvise`` (the usual default) for a region that asks (``madvise
