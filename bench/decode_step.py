@@ -89,7 +89,7 @@ class FourKiB:
         self.m, self.lm = m, m.lm
         with torch.inference_mode(False):
             self.k = [torch.zeros_like(t) for t in m.k_cache]
-            self.v = [torch.zeros_like(t) for t in m.k_cache]
+            self.v = [torch.zeros_like(t) for t in m.v_cache]
 
     def decode(self, *args: object) -> torch.Tensor:
         m = self.m

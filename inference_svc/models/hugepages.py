@@ -42,7 +42,8 @@ def thp_setting() -> str:
 def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[Tensor], str]:
     """``count`` zeroed CPU tensors of ``shape`` and ``dtype``, in huge pages where the kernel
     gives them; and how they were allocated (for the log)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     step = -(-nbytes // PAGE) * PAGE  # the tensors side by side, each on a page boundary
     setting = thp_setting()
     if setting not in ("always", "madvise") or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -57,7 +58,7 @@ def zeros(count: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[list[
         # storage would be aliased inputs to a compiled graph that writes them. Set on a new
         # tensor, not viewed: a plain tensor, no view of a flat one.
         at = start + i * step
-        flat = torch.frombuffer(region, dtype=dtype, count=math.prod(shape), offset=at)
+        flat = torch.frombuffer(region, dtype=dtype, count=numel, offset=at)
         t = torch.empty(0, dtype=dtype).set_(flat.untyped_storage(), 0, shape)
         out.append(t.zero_())  # every page touched now: it reads as zeros already
     return out, f"huge pages (THP {setting})"
