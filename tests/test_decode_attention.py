@@ -1,8 +1,9 @@
 """This project's decode attention kernel (inference_svc/kernels, --decode-attention native):
-torch's SDPA's results for every layout the service gives it (float32 and bfloat16, head
-sizes on and off the vector path, one to many query heads per KV head, rows of different
-lengths, one long row split over threads, sliding windows); an op torch.export keeps whole and
-an AOTInductor package calls; what auto picks; a library kept and loaded, not rebuilt.
+torch's SDPA's results for every layout the service gives it (float32 and bfloat16, a
+float16 cache under either, head sizes on and off the vector path and the fused heads' path,
+one to many query heads per KV head, rows of different lengths, one long row split over
+threads, sliding windows); an op torch.export keeps whole and an AOTInductor package calls;
+what auto picks; a library kept and loaded, not rebuilt.
 (Model-level parity with transformers on both attentions: tests/test_families.py.)"""
 
 from __future__ import annotations
@@ -43,17 +44,25 @@ CASES = {  # name: (rows, kv heads, query heads per kv head, head size, slots, w
     "head-24-generic": (3, 2, 2, 24, 40, 0),
     "head-24-window": (3, 2, 2, 24, 40, 8),
     "one-slot": (2, 1, 4, 64, 1, 0),
+    "one-head-a-kv-head": (3, 4, 1, 64, 45, 0),
+}
+DTYPES = {  # query, cache
+    "float32": (torch.float32, torch.float32),
+    "bfloat16": (torch.bfloat16, torch.bfloat16),
+    "float32-f16-cache": (torch.float32, torch.float16),
+    "bfloat16-f16-cache": (torch.bfloat16, torch.float16),
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_kernel_gives_sdpas_attention(case: str, dtype: torch.dtype) -> None:
+def test_the_kernel_gives_sdpas_attention(case: str, dtypes: str) -> None:
     b, kv, g, d, slots, window = CASES[case]
+    dtype, cache = DTYPES[dtypes]
     gen = torch.Generator().manual_seed(0)
     # views of a larger cache, as the decode step passes them (strided, one spare row/slot)
-    k = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(dtype)
-    v = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(dtype)
+    k = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(cache)
+    v = torch.randn(b + 1, kv, slots + 1, d, generator=gen).to(cache)
     q = torch.randn(b, kv, g, d, generator=gen).to(dtype)
     pos = torch.randint(0, slots, (b,), generator=gen)
     pos[0] = slots - 1
@@ -73,6 +82,9 @@ def test_bad_input_is_refused_by_name() -> None:
         torch.ops.inference.decode_attention(
             q.half(), k.half(), k.half(), torch.tensor([3]), 0, 0.25
         )
+    with pytest.raises(RuntimeError, match="in q's dtype or float16, not BFloat16"):
+        b16 = k.bfloat16()
+        torch.ops.inference.decode_attention(q, b16, b16, torch.tensor([3]), 0, 0.25)
     with pytest.raises(RuntimeError, match="one position per row"):
         torch.ops.inference.decode_attention(q, k, k, torch.tensor([3, 4]), 0, 0.25)
     with pytest.raises(RuntimeError, match="last dimension contiguous"):

@@ -3,12 +3,15 @@
 // q [B, KV, G, D] (the G query heads that share each KV head side by side); k, v [B, KV, L, D]
 // views of the cache (any strides, last dim contiguous); pos [B] int64: row b attends to
 // slots max(0, pos[b] - window + 1) .. min(pos[b], L - 1) (window <= 0: from slot 0).
-// Returns [B, KV, G, D] in q's dtype. float32 or bfloat16 (q and the cache alike); scores,
-// softmax and sums in float32.
+// Returns [B, KV, G, D] in q's dtype. q float32 or bfloat16; the cache (k, v) in q's dtype or
+// float16 (--kv-cache-dtype float16: half the bytes a step reads); scores, softmax and sums
+// in float32.
 //
 // Why: torch's CPU SDPA (flash kernel) reads a decode step's cache at 4-6x its bytes' time
 // (bench/decode_attention.py). Here each task reads its slice of keys, then of values, once
-// from memory (then from cache for each of the G query heads). A row's visible slots are
+// from memory: on AVX-512 with head size 64 and up to 3 query heads a KV head, all of them in
+// one pass over each (heads_fused); elsewhere one query head at a time over a block that
+// stays in cache (bfloat16 and float16 converted into it first). A row's visible slots are
 // split into chunks when rows x KV heads alone leave threads idle (one row, 3 KV heads, 2
 // threads); the chunks' partial softmax (max, sum, weighted values) are merged after
 // (flash-decoding). Built with the vector ISA inductor picks for this CPU (CPU_CAPABILITY_*
@@ -19,11 +22,16 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
+
+#ifdef CPU_CAPABILITY_AVX512
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -116,18 +124,117 @@ inline void head_block_any(const float* qg, const float* kf, int64_t kst, const 
   r[1] = sum;
 }
 
+#ifdef CPU_CAPABILITY_AVX512
+// AVX-512, head size 64 and up to 3 query heads a KV head (SmolLM2's 3, Qwen's 2...): all G
+// heads in one pass over a chunk's keys and one over its values, each slot's row loaded
+// (and converted from the cache's type) once, and the scores of 4 slots reduced together
+// (a horizontal sum a slot costs more than its 4 FMAs).
+constexpr int64_t FUSED_D = 64;
+constexpr int64_t FUSED_G = 3;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The four sums of a, b, c, d (16 lanes each) as one 4-lane vector.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  // u: in each 128-bit lane, partial sums of a, b, c, d; add the four lanes
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// G (<= 3) query heads qf [G, 64] (scaled) over m slots of keys kp and values vp (row
+// strides kst, vst): per head r = [max, sum, 64 weighted values]; s: G * m scratch.
+template <typename T, int G>
+void heads_fused(const float* qf, const T* kp, int64_t kst, const T* vp, int64_t vst,
+                 int64_t m, float* s, float* res, int64_t part) {
+  __m512 q[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) q[g][i] = _mm512_loadu_ps(qf + g * FUSED_D + i * 16);
+  int64_t j = 0;
+  for (; j + 4 <= m; j += 4) {
+    __m512 p[G][4];
+    for (int jj = 0; jj < 4; ++jj) {
+      const T* kj = kp + (j + jj) * kst;
+      const __m512 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32),
+                   k3 = load16(kj + 48);
+      for (int g = 0; g < G; ++g) {
+        p[g][jj] = _mm512_fmadd_ps(q[g][3], k3, _mm512_fmadd_ps(q[g][2], k2,
+                   _mm512_fmadd_ps(q[g][1], k1, _mm512_mul_ps(q[g][0], k0))));
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * m + j, sum4(p[g][0], p[g][1], p[g][2], p[g][3]));
+  }
+  for (; j < m; ++j) {
+    const T* kj = kp + j * kst;
+    const __m512 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32), k3 = load16(kj + 48);
+    for (int g = 0; g < G; ++g) {
+      s[g * m + j] = _mm512_reduce_add_ps(_mm512_fmadd_ps(q[g][3], k3, _mm512_fmadd_ps(
+          q[g][2], k2, _mm512_fmadd_ps(q[g][1], k1, _mm512_mul_ps(q[g][0], k0)))));
+    }
+  }
+  for (int g = 0; g < G; ++g) {  // softmax numerators in place, their max and sum
+    float* sg = s + g * m;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < m; ++t) mx = std::max(mx, sg[t]);
+    const Vec top(mx);
+    Vec sums(0.f);
+    int64_t t = 0;
+    for (; t + Vec::size() <= m; t += Vec::size()) {
+      const Vec e = (Vec::loadu(sg + t) - top).exp_u20();
+      e.store(sg + t);
+      sums = sums + e;
+    }
+    if (t < m) {
+      const Vec e = (Vec::loadu(sg + t, m - t) - top).exp_u20();
+      e.store(sg + t, m - t);
+      sums = sums + Vec::set(Vec(0.f), e, m - t);
+    }
+    float* r = res + g * part;
+    r[0] = mx;
+    r[1] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums);
+  }
+  __m512 acc[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) acc[g][i] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < m; ++t) {
+    const T* vt = vp + t * vst;
+    const __m512 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(s[g * m + t]);
+      acc[g][0] = _mm512_fmadd_ps(w, v0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(w, v1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(w, v2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(w, v3, acc[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(res + g * part + 2 + i * 16, acc[g][i]);
+}
+#endif
+
 // DC = the head size when it is a multiple of the vector width known here (unrolled, the
 // sums in registers), else 0 (any size).
-template <typename T, int64_t DC>
+template <typename TQ, typename T, int64_t DC>
 void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos,
             int64_t window, double scale, const Tensor& out) {
   const int64_t B = q.size(0), KV = q.size(1), G = q.size(2), D = q.size(3);
   const int64_t L = k.size(2);
-  const T* qp = q.const_data_ptr<T>();
+  const TQ* qp = q.const_data_ptr<TQ>();
   const T* kp = k.const_data_ptr<T>();
   const T* vp = v.const_data_ptr<T>();
   const int64_t* pp = pos.const_data_ptr<int64_t>();
-  T* op = out.mutable_data_ptr<T>();
+  TQ* op = out.mutable_data_ptr<TQ>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), ks2 = k.stride(2);
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   // Chunks per (row, KV head): enough tasks for every thread twice over, none under 32 slots.
@@ -156,8 +263,18 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos
         continue;
       }
       const int64_t m = hi - lo;
-      const T* qb = qp + (b * KV + h) * G * D;
+      const TQ* qb = qp + (b * KV + h) * G * D;
       for (int64_t i = 0; i < G * D; ++i) qf[i] = static_cast<float>(qb[i]) * sc;
+#ifdef CPU_CAPABILITY_AVX512
+      if (DC == FUSED_D && G <= FUSED_G) {
+        s.resize(G * m);
+        const T* kb = kp + b * ks0 + h * ks1 + lo * ks2;
+        const T* vb = vp + b * vs0 + h * vs1 + lo * vs2;
+        auto fused = [&](auto kernel) { kernel(qf.data(), kb, ks2, vb, vs2, m, s.data(), res, part); };
+        G == 1 ? fused(heads_fused<T, 1>) : G == 2 ? fused(heads_fused<T, 2>) : fused(heads_fused<T, 3>);
+        continue;
+      }
+#endif
       int64_t kst = 0, vst = 0;
       const float* kf = rows_as_float(kp + b * ks0 + h * ks1 + lo * ks2, ks2, m, D, kbuf, &kst);
       const float* vf = rows_as_float(vp + b * vs0 + h * vs1 + lo * vs2, vs2, m, D, vbuf, &vst);
@@ -190,20 +307,23 @@ void attend(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos
           for (int64_t x = 0; x < D; ++x) acc[x] += w * r[2 + x];
         }
       }
-      T* o = op + i * D;  // out is contiguous [B, KV, G, D]: index (bh * G + g) = i
+      TQ* o = op + i * D;  // out is contiguous [B, KV, G, D]: index (bh * G + g) = i
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      for (int64_t x = 0; x < D; ++x) o[x] = static_cast<T>(acc[x] * inv);
+      for (int64_t x = 0; x < D; ++x) o[x] = static_cast<TQ>(acc[x] * inv);
     }
   });
 }
 
 template <int64_t DC>
-void run(bool bf16, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos,
-         int64_t window, double scale, const Tensor& out) {
-  if (bf16) {
-    attend<c10::BFloat16, DC>(q, k, v, pos, window, scale, out);
+void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos, int64_t window,
+         double scale, const Tensor& out) {
+  const bool half = k.scalar_type() == at::kHalf;
+  if (q.scalar_type() == at::kBFloat16) {
+    half ? attend<c10::BFloat16, c10::Half, DC>(q, k, v, pos, window, scale, out)
+         : attend<c10::BFloat16, c10::BFloat16, DC>(q, k, v, pos, window, scale, out);
   } else {
-    attend<float, DC>(q, k, v, pos, window, scale, out);
+    half ? attend<float, c10::Half, DC>(q, k, v, pos, window, scale, out)
+         : attend<float, float, DC>(q, k, v, pos, window, scale, out);
   }
 }
 
@@ -214,22 +334,22 @@ Tensor decode_attention(const Tensor& q, const Tensor& k, const Tensor& v, const
               "k [B, KV, L, D] against q [B, KV, G, D]");
   TORCH_CHECK(v.sizes() == k.sizes(), "v and k differ in shape");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "k and v: last dimension contiguous");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && k.scalar_type() == v.scalar_type(),
-              "q, k and v in one dtype");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "k and v in one dtype");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() || k.scalar_type() == at::kHalf,
+              "the cache (k, v) in q's dtype or float16, not ", k.scalar_type());
   TORCH_CHECK(pos.dim() == 1 && pos.size(0) == q.size(0), "pos: one position per row");
-  const bool bf16 = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || q.scalar_type() == at::kFloat,
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat,
               "decode_attention: float32 or bfloat16, not ", q.scalar_type());
   const Tensor qc = q.contiguous();
   const Tensor pc = pos.to(at::kLong).contiguous();
   Tensor out = at::empty(q.sizes(), q.options());
   constexpr int64_t W = Vec::size();
   if (q.size(3) == 64 && 64 % W == 0) {
-    run<64>(bf16, qc, k, v, pc, window, scale, out);
+    run<64>(qc, k, v, pc, window, scale, out);
   } else if (q.size(3) == 128 && 128 % W == 0) {
-    run<128>(bf16, qc, k, v, pc, window, scale, out);
+    run<128>(qc, k, v, pc, window, scale, out);
   } else {
-    run<0>(bf16, qc, k, v, pc, window, scale, out);
+    run<0>(qc, k, v, pc, window, scale, out);
   }
   return out;
 }
