@@ -57,6 +57,25 @@ inline const float* rows_as_float<float>(const float* x, int64_t stride, int64_t
   return x;
 }
 
+// Scores s[0, m) with their max into exp(s - max) in place; their sum.
+inline float softmax_numerators(float* s, int64_t m, float mx) {
+  constexpr int64_t W = Vec::size();
+  const Vec top(mx);
+  Vec sums(0.f);
+  int64_t j = 0;
+  for (; j + W <= m; j += W) {
+    const Vec e = (Vec::loadu(s + j) - top).exp_u20();
+    e.store(s + j);
+    sums = sums + e;
+  }
+  if (j < m) {
+    const Vec e = (Vec::loadu(s + j, m - j) - top).exp_u20();
+    e.store(s + j, m - j);
+    sums = sums + Vec::set(Vec(0.f), e, m - j);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums);
+}
+
 // One query head over a block of m slots: scores, their max and exp-sum, the weighted sum
 // of values into r = [max, sum, D values]. D a multiple of the vector width here.
 template <int64_t D>
@@ -74,19 +93,8 @@ inline void head_block(const float* qg, const float* kf, int64_t kst, const floa
     s[j] = d;
     mx = std::max(mx, d);
   }
-  const Vec top(mx);
-  Vec sums(0.f);
-  int64_t j = 0;
-  for (; j + W <= m; j += W) {
-    const Vec e = (Vec::loadu(s + j) - top).exp_u20();
-    e.store(s + j);
-    sums = sums + e;
-  }
-  if (j < m) {
-    const Vec e = (Vec::loadu(s + j, m - j) - top).exp_u20();
-    e.store(s + j, m - j);
-    sums = sums + Vec::set(Vec(0.f), e, m - j);
-  }
+  r[0] = mx;
+  r[1] = softmax_numerators(s, m, mx);
   Vec acc[N];
   for (int64_t i = 0; i < N; ++i) acc[i] = Vec(0.f);
   for (int64_t t = 0; t < m; ++t) {
@@ -94,8 +102,6 @@ inline void head_block(const float* qg, const float* kf, int64_t kst, const floa
     const Vec w(s[t]);
     for (int64_t i = 0; i < N; ++i) acc[i] = at::vec::fmadd(w, Vec::loadu(vj + i * W), acc[i]);
   }
-  r[0] = mx;
-  r[1] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums);
   for (int64_t i = 0; i < N; ++i) acc[i].store(r + 2 + i * W);
 }
 
@@ -183,26 +189,12 @@ void heads_fused(const float* qf, const T* kp, int64_t kst, const T* vp, int64_t
           q[g][2], k2, _mm512_fmadd_ps(q[g][1], k1, _mm512_mul_ps(q[g][0], k0)))));
     }
   }
-  for (int g = 0; g < G; ++g) {  // softmax numerators in place, their max and sum
+  for (int g = 0; g < G; ++g) {
     float* sg = s + g * m;
     float mx = -INFINITY;
     for (int64_t t = 0; t < m; ++t) mx = std::max(mx, sg[t]);
-    const Vec top(mx);
-    Vec sums(0.f);
-    int64_t t = 0;
-    for (; t + Vec::size() <= m; t += Vec::size()) {
-      const Vec e = (Vec::loadu(sg + t) - top).exp_u20();
-      e.store(sg + t);
-      sums = sums + e;
-    }
-    if (t < m) {
-      const Vec e = (Vec::loadu(sg + t, m - t) - top).exp_u20();
-      e.store(sg + t, m - t);
-      sums = sums + Vec::set(Vec(0.f), e, m - t);
-    }
-    float* r = res + g * part;
-    r[0] = mx;
-    r[1] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sums);
+    res[g * part] = mx;
+    res[g * part + 1] = softmax_numerators(sg, m, mx);
   }
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
