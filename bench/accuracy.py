@@ -63,7 +63,8 @@ TEXTS = (
 )
 # (--dtype, --lm-weights) against float32 with its own weights
 LM_OPTIONS = (
-    ("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"), ("float32", "int4:native")
+    ("bfloat16", "same"), ("float32", "bfloat16"), ("float32", "int4"), ("float32", "int4:native"),
+    ("float32", "same+kv16"), ("float32", "int4:native+kv16"),
 )  # fmt: skip
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -72,15 +73,18 @@ def load_lm(
     dtype: str, weights: str, mode: CompilationMode, model_spec: str = "default"
 ) -> GenerateRunner:
     """The LM with a 2-row cache behind the service's own runner (its padding, its shapes);
-    ``weights`` a --lm-weights scheme, "int4:native" for int4 on this project's linear kernel."""
+    ``weights`` a --lm-weights scheme, "int4:native" for int4 on this project's linear kernel,
+    "+kv16" after it for a float16 KV cache (--kv-cache-dtype float16; native attention)."""
+    weights, kv16, _ = weights.partition("+kv16")
     weights, _, linear = weights.partition(":")
     limits = GenLimits(max_batch=2, max_input_tokens=128, max_new_tokens=128, prefill_chunk=64)
     monitor = CompileMonitor()
     ctx = ModelContext("lm", mode, monitor, torch.device("cpu"), DTYPES[dtype])
     cache = Path("~/.cache/inference-svc/models").expanduser()
     model = load_generative(
-        ctx, resolve_lm_dir(model_spec), limits, cache, weights, linear=linear or "torch"
-    )
+        ctx, resolve_lm_dir(model_spec), limits, cache, weights, linear=linear or "torch",
+        attention="native" if kv16 else "sdpa", kv_cache="float16" if kv16 else "same",
+    )  # fmt: skip
     buckets = GenBuckets.plan(limits, mode)
     model.allocate_cache(buckets.rows_for(2 * limits.max_seq_len))
     return GenerateRunner(model, Sampler("lm", mode, monitor), LogprobsMode.RAW, buckets)

@@ -4,7 +4,7 @@
       [--backends eager,aoti] [--context 256] [--calls 30] (--weights int4:native: int4 on
       this project's linear kernel)
       [--mode max-autotune] [--freeze-weights on] [--attention native,sdpa]
-      [--kv-pages huge,4k]
+      [--kv-pages huge,4k] [--kv-cache-dtype same,float16]
       [--quick --lm-model DIR]   (smoke run: tiny model, batch 1 and 2, 3 calls)
 
 The service's own model code and padding: eager (mode none) and from an AOTInductor
@@ -17,7 +17,8 @@ memory bandwidth (measured here: a sum over 512 MiB); a step above it is overhea
 arithmetic. Prints the CPU (what inference_svc/models/cpu.py reads), the median step per
 arm and batch with its speed-up over the first weights' eager step and its ratio to the
 floor (--kv-pages huge,4k: each arm also with its KV cache in torch's 4 KiB pages, a row
-"BACKEND/4k": the same model, the cache swapped in for its calls), and what
+"BACKEND/4k": the same model, the cache swapped in for its calls; --kv-cache-dtype
+same,float16: each arm also with a float16 cache, a row "BACKEND/kv16"), and what
 ``--lm-weights auto`` chooses here (its table comes from the eager columns); writes
 results/decode_step.json. A benchmark, not a test: it asserts nothing.
 """
@@ -64,16 +65,19 @@ def load(
     a: argparse.Namespace, weights: str, backend: str, max_batch: int, stores: list
 ) -> GenerativeModel:
     """One arm: eager (mode none), or the same model run from an AOTInductor package;
-    ``backend`` "eager" or "aoti", with ":native" or ":sdpa" for the decode attention;
-    ``weights`` a --lm-weights scheme, with ":native" for int4 on this project's linear kernel
-    (--linear-kernel native; torch's otherwise)."""
+    ``backend`` "eager" or "aoti", with ":native" or ":sdpa" for the decode attention, then
+    "/kv16" for a float16 KV cache (--kv-cache-dtype float16); ``weights`` a --lm-weights
+    scheme, with ":native" for int4 on this project's linear kernel (--linear-kernel native;
+    torch's otherwise)."""
+    backend, kv16, _ = backend.partition("/kv16")
     backend, _, attention = backend.partition(":")
     weights, _, linear = weights.partition(":")
     ctx, mode = arm_context(a, "lm", torch.float32, backend, stores)
     limits = GenLimits(max_batch, 512, 512, 64)
     cache = Path("~/.cache/inference-svc/models").expanduser()
     m = load_generative(ctx, resolve_lm_dir(a.lm_model or "default"), limits, cache, weights,
-                        attention=attention or "native", linear=linear or "torch")  # fmt: skip
+                        attention=attention or "native", linear=linear or "torch",
+                        kv_cache="float16" if kv16 else "same")  # fmt: skip
     m.set_ranges(GenBuckets.plan(limits, mode, aoti=backend == "aoti").ranges())
     m.allocate_cache(max_batch)
     return m
@@ -155,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=256, help="slots attended")
     p.add_argument("--kv-pages", default="huge", choices=("huge", "huge,4k"),
                    help="huge,4k: each arm also on a cache in 4 KiB pages")  # fmt: skip
+    p.add_argument("--kv-cache-dtype", default="same", choices=("same", "same,float16"),
+                   help="same,float16: each arm also with a float16 cache, 'BACKEND/kv16' "
+                   "(its own packages)")  # fmt: skip
     p.add_argument("--calls", type=int, default=30, help="timed calls per point (median)")
     p.add_argument("--mode", default="max-autotune", choices=("default", "max-autotune"))
     p.add_argument("--freeze-weights", default="on", choices=("on", "off"))
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     attentions = a.attention.split(",")
     if len(attentions) > 1:  # each backend with each attention: "aoti:native", "aoti:sdpa"
         backends = [f"{be}:{at}" for be in backends for at in attentions]
+    if a.kv_cache_dtype == "same,float16":
+        backends = [f"{be}{kv}" for be in backends for kv in ("", "/kv16")]
     batches = [int(b) for b in a.batches.split(",")]
     bandwidth = bandwidth_gib_s(64 if a.quick else 512)
     print_cpu(f"; memory read bandwidth {bandwidth:.1f} GiB/s")

@@ -25,7 +25,9 @@ def reference_lm():
     return load_lm("float32", "same", NONE)
 
 
-@pytest.mark.parametrize("weights", ["bfloat16", "int4", "int4:native"])
+# int4 on the native kernel with a float16 KV cache: the fastest configuration's numerics on
+# an AVX512-VNNI CPU (--lm-weights auto --kv-cache-dtype auto); each alone agrees as well
+@pytest.mark.parametrize("weights", ["bfloat16", "int4", "int4:native+kv16"])
 def test_lm_weight_options_keep_top1_agreement(reference_lm, weights: str) -> None:
     option = load_lm("float32", weights, NONE)
     assert lm_agreement(reference_lm, option, PROMPTS, 32) >= 0.98

@@ -38,7 +38,7 @@ FIELD_NAMES = {
     "cpu": "CPU capabilities",
     "threads": "thread count",
     "mode": "compilation mode and backend",
-    "numerics": "numerics (--dtype, --lm-weights, --embed-dtype)",
+    "numerics": "numerics (--dtype, --lm-weights, --embed-dtype, --kv-cache-dtype)",
     "shapes": "shape limits",
     "code": "code of the compiled functions",
     "headers": "inductor's precompiled-header directory (per user: $TMPDIR/torchinductor_<user>)",

@@ -253,7 +253,7 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     numerics = (
         f"device={config.device} dtype={config.dtype} lm_weights={auto.lm.scheme} "
         f"embed_dtype={auto.embed.scheme} logprobs={config.logprobs_mode.value} "
-        f"attention={auto.attention} linear={auto.linear}"
+        f"attention={auto.attention} linear={auto.linear} kv_cache={config.kv_cache_dtype}"
     )
     mode = f"{config.compilation_mode.value} backend={auto.backend}"
     if aoti:

@@ -200,7 +200,7 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
     cache = Path(c.model_cache_dir).expanduser() if c.model_cache_dir else None
     model = load_generative(
         env.context(NAME), directory, limits, cache, c.lm_weights, env.lm_weights_auto,
-        c.decode_attention, c.linear_kernel,
+        c.decode_attention, c.linear_kernel, c.kv_cache_dtype,
     )  # fmt: skip
     model.warm_text()
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)

@@ -82,6 +82,7 @@ class GenerativeModel:
         weights: str = "same",
         weights_why: str = "",
         linear: str = "torch",
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.ctx = ctx
         self.name, self.mode, self.monitor = ctx.name, ctx.mode, ctx.monitor
@@ -93,7 +94,8 @@ class GenerativeModel:
         self.pad_id = pad if pad is not None else min(eos_ids)
         param = next(lm.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.numerics = numerics(self.dtype, weights, weights_why, linear)
+        self.cache_dtype = cache_dtype or self.dtype  # the KV cache's (--kv-cache-dtype)
+        self.numerics = numerics(self.dtype, weights, weights_why, linear, self.cache_dtype)
         # Mark the varying dimensions dynamic before each compiled call (see _vary). Off when
         # the graphs came from kept artifacts: torch 2.13 saves their guards as if nothing
         # had been marked, and a marked input then fails them ("_has_dynamo_dim_marking is
@@ -146,20 +148,21 @@ class GenerativeModel:
         # mode): torch.export traces the in-place cache writes outside it (models/aoti.py).
         with torch.inference_mode(False):
             if self.device.type == "cpu":  # in huge pages where the kernel gives them
-                both, how = hugepages.zeros(2 * s.num_layers, dims, self.dtype)
+                both, how = hugepages.zeros(2 * s.num_layers, dims, self.cache_dtype)
             else:
-                both = [torch.zeros(dims, dtype=self.dtype, device=self.device)
+                both = [torch.zeros(dims, dtype=self.cache_dtype, device=self.device)
                         for _ in range(2 * s.num_layers)]  # fmt: skip
                 how = str(self.device)
         self.k_cache, self.v_cache = both[: s.num_layers], both[s.num_layers :]
         self.cache_pages = how
-        log.info("model %s: KV cache %d rows x %d slots, %s", self.name, rows, dims[2] - 1, how)
+        log.info("model %s: KV cache %d rows x %d slots, %s, %s", self.name, rows, dims[2] - 1,
+                 str(self.cache_dtype).removeprefix("torch."), how)  # fmt: skip
 
     def free_cache(self) -> None:
         self.k_cache = self.v_cache = None
 
     def kv_bytes_per_token(self) -> int:
-        return self.lm.shape.kv_bytes_per_token(self.dtype)
+        return self.lm.shape.kv_bytes_per_token(self.cache_dtype)
 
     # -- text --------------------------------------------------------------
     def encode(self, prompt: str, messages: list[dict[str, str]]) -> list[int]:
@@ -253,11 +256,12 @@ def load_generative(
     weights_why: str = "",
     attention: str = "sdpa",
     linear: str = "torch",
+    kv_cache: str = "same",
 ) -> GenerativeModel:
     """The LM in ``directory``, its linears in ``weights`` (a concrete scheme; ``weights_why``
     is why --lm-weights auto chose it, "" when it was named) run by ``linear`` "torch" or
     "native"; its decode step's ``attention`` "native" (this project's kernel:
-    inference_svc/kernels) or "sdpa"."""
+    inference_svc/kernels) or "sdpa"; its KV cache in ``kv_cache`` (--kv-cache-dtype)."""
     config, state, tokenizer = load_causal_lm_parts(directory, cache_dir)
     text, state = text_decoder(config, state)  # Gemma 3's text model
     shape = LlamaShape.from_hf(text)  # ValueError for an architecture not supported
@@ -277,7 +281,26 @@ def load_generative(
     if attention == "native":
         _use_native_attention(lm, ctx)
     eos = _eos_ids(directory, (config, text), tokenizer)
-    return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why, linear)
+    cache = kv_cache_dtype(kv_cache, lm, ctx)
+    return GenerativeModel(ctx, lm, tokenizer, limits, eos, weights, weights_why, linear, cache)
+
+
+def kv_cache_dtype(setting: str, lm: LlamaLM, ctx: ModelContext) -> torch.dtype:
+    """--kv-cache-dtype: same (the model's dtype), float16, or auto: float16 where the model
+    computes in float32 and its decode step runs on the native attention (which reads a
+    float16 cache as it loads it: half the bytes a step reads and the cache holds), else
+    same. Logged with the reason for auto."""
+    if setting != "auto":
+        return torch.float16 if setting == "float16" else ctx.dtype
+    if lm.decode_attention != "native":
+        why, dtype = "decode attention sdpa", ctx.dtype
+    elif ctx.dtype != torch.float32:
+        why, dtype = f"the model computes in {str(ctx.dtype).removeprefix('torch.')}", ctx.dtype
+    else:
+        why, dtype = "float32 model, native decode attention", torch.float16
+    log.info("model %s: --kv-cache-dtype auto: %s (%s)", ctx.name,
+             str(dtype).removeprefix("torch."), why)  # fmt: skip
+    return dtype
 
 
 def _use_native_attention(lm: LlamaLM, ctx: ModelContext) -> None:

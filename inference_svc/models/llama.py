@@ -355,10 +355,11 @@ class LlamaLM(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), *ropes[self._rope_of[i]])
             keys, values = k_cache[i], v_cache[i]
-            keys[rows, :, where] = k[0].transpose(0, 1)
-            values[rows, :, where] = v[0].transpose(0, 1)
-            seen_k = keys[:, :, :n].index_select(0, row)  # [1, kv_heads, L, head_dim]
-            seen_v = values[:, :, :n].index_select(0, row)
+            # the cache may be float16 under a float32 model (--kv-cache-dtype)
+            keys[rows, :, where] = k[0].transpose(0, 1).to(keys.dtype)
+            values[rows, :, where] = v[0].transpose(0, 1).to(values.dtype)
+            seen_k = keys[:, :, :n].index_select(0, row).to(q.dtype)  # [1, kv_heads, L, head_dim]
+            seen_v = values[:, :, :n].index_select(0, row).to(q.dtype)
             mask = masks[self._local[i]]
             h = self._mlp_block(layer, h, attn.attend(q, seen_k, seen_v, mask))
         return self._logits(h[0, last])
@@ -394,12 +395,13 @@ class LlamaLM(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(h), *ropes[self._rope_of[i]])
             keys, values = k_cache[i], v_cache[i]
-            keys[rows, :, where] = k[:, :, 0]
-            values[rows, :, where] = v[:, :, 0]
+            keys[rows, :, where] = k[:, :, 0].to(keys.dtype)
+            values[rows, :, where] = v[:, :, 0].to(values.dtype)
             seen_k, seen_v = keys[:b, :, :n], values[:b, :, :n]
-            if native:
+            if native:  # the kernel reads a float16 cache as it is
                 out = attn.attend_cache(q, seen_k, seen_v, where, windows[self._local[i]])
             else:
+                seen_k, seen_v = seen_k.to(q.dtype), seen_v.to(q.dtype)
                 out = attn.attend_one(q, seen_k, seen_v, masks[self._local[i]])
             h = self._mlp_block(layer, h, out)
         return self._logits(h[:, -1])

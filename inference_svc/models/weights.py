@@ -196,12 +196,18 @@ def _swap(lm: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> 
     return kept
 
 
-def numerics(dtype: torch.dtype, scheme: str, why: str = "", kernel: str = "torch") -> str:
+def numerics(
+    dtype: torch.dtype, scheme: str, why: str = "", kernel: str = "torch",
+    cache: torch.dtype | None = None,
+) -> str:  # fmt: skip
     """What a model computes in, as Describe and Info report it: ``float32``,
     ``float32+int4-linear`` (the dtype, then the linear layers' weights if other; ``-native``
     on this project's kernel: 8-bit activations in the products, the output layer in int8),
-    then why --lm-weights auto chose them: ``float32+int4-linear (auto: AMX-BF16)``."""
+    ``+float16-kv`` where the KV cache is in another dtype, then why --lm-weights auto chose
+    the weights: ``float32+int4-linear (auto: AMX-BF16)``."""
     name = str(dtype).removeprefix("torch.")
     if not (scheme == "same" or (scheme == "bfloat16" and dtype == torch.bfloat16)):
         name = f"{name}+{scheme}-linear" + ("-native" if kernel == "native" else "")
+    if cache is not None and cache != dtype:
+        name += f"+{str(cache).removeprefix('torch.')}-kv"
     return f"{name} (auto: {why})" if why else name
