@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -119,14 +120,24 @@ def greedy(lm: GenerateRunner, ids: list[int], tokens: int) -> list[int]:
     return out
 
 
+# The reference's greedy continuations, per (prompt, tokens): written once, compared with
+# every option.
+_continuations: weakref.WeakKeyDictionary[GenerateRunner, dict[tuple[str, int], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def lm_agreement(
     reference: GenerateRunner, option: GenerateRunner, prompts: tuple[str, ...], tokens: int
 ) -> float:
     """Share of positions where ``option``'s top-1 token equals ``reference``'s."""
     same = total = 0
+    written = _continuations.setdefault(reference, {})
     for prompt in prompts:
         ids = prompt_ids(reference, prompt)
-        want = greedy(reference, ids, tokens)
+        if (prompt, tokens) not in written:
+            written[(prompt, tokens)] = greedy(reference, ids, tokens)
+        want = written[(prompt, tokens)]
         got = forced_argmax(option, ids, want)
         same += sum(a == b for a, b in zip(want, got, strict=True))
         total += len(want)
