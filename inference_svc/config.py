@@ -168,7 +168,8 @@ class ServiceConfig:
         "same",
         "the LM's KV cache: same (the model's dtype), float16 (half the memory and the bytes "
         "a decode step reads; top-1 agreement with float32 0.9985), or auto: float16 for a "
-        "float32 model on the native decode attention, else same (docs/numerics.md)",
+        "float32 model on the native decode attention's AVX-512 path (head size 64, up to 3 "
+        "query heads a KV head), else same (docs/numerics.md)",
         choices=KV_CACHE_DTYPES,
     )
     kv_cache_memory_fraction: float = setting(

@@ -20,6 +20,7 @@ from inference_svc.compile_monitor import CompileMonitor, Origin
 from inference_svc.config import parse_config
 from inference_svc.engine.artifacts import for_config
 from inference_svc.limits import GenLimits
+from inference_svc.models import cpu
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.generative import GenerativeModel, kv_cache_dtype, load_generative
 from tests.conftest import tiny_args
@@ -34,21 +35,36 @@ def context(dtype: torch.dtype = F32) -> ModelContext:
     return ModelContext("lm", CompilationMode.NONE, CompileMonitor(), torch.device("cpu"), dtype)
 
 
+SMOLLM2 = SimpleNamespace(head_dim=64, num_heads=9, num_kv_heads=3)
+LLAMA3 = SimpleNamespace(head_dim=128, num_heads=32, num_kv_heads=8)
+NOT_FUSED = "not the kernel's fused path"
+
+
 @pytest.mark.parametrize(
-    ("setting", "attention", "dtype", "want", "why"),
+    ("setting", "attention", "dtype", "isa", "shape", "want", "why"),
     [
-        ("auto", "native", F32, F16, "float16 (float32 model, native decode attention)"),
-        ("auto", "sdpa", F32, F32, "float32 (decode attention sdpa)"),
-        ("auto", "native", BF16, BF16, "bfloat16 (the model computes in bfloat16)"),
-        ("float16", "sdpa", F32, F16, ""),
-        ("same", "native", F32, F32, ""),
+        ("auto", "native", F32, "AVX512", SMOLLM2, F16,
+         "float16 (float32 model, native decode attention on AVX-512)"),
+        ("auto", "sdpa", F32, "AVX512", SMOLLM2, F32, "float32 (decode attention sdpa)"),
+        ("auto", "native", BF16, "AVX512", SMOLLM2, BF16,
+         "bfloat16 (the model computes in bfloat16)"),
+        ("auto", "native", F32, "AVX2", SMOLLM2, F32,
+         f"float32 (capability AVX2, head size 64, 3 query heads a KV head: {NOT_FUSED})"),
+        ("auto", "native", F32, "AVX512", LLAMA3, F32,
+         f"float32 (capability AVX512, head size 128, 4 query heads a KV head: {NOT_FUSED})"),
+        ("float16", "sdpa", F32, "AVX2", LLAMA3, F16, ""),
+        ("same", "native", F32, "AVX512", SMOLLM2, F32, ""),
     ],
-)
+)  # fmt: skip
 def test_what_each_setting_gives_and_auto_says_why(
-    setting: str, attention: str, dtype: torch.dtype, want: torch.dtype, why: str, caplog
-) -> None:
+    setting: str, attention: str, dtype: torch.dtype, isa: str, shape: SimpleNamespace,
+    want: torch.dtype, why: str, caplog, monkeypatch,
+) -> None:  # fmt: skip
+    """auto: float16 only where the native kernel's fused path reads it (AVX-512, head size
+    64, up to 3 query heads a KV head); elsewhere it measured slower than float32."""
+    monkeypatch.setattr(cpu, "capabilities", lambda: cpu.Capabilities(isa, frozenset()))
     caplog.set_level(logging.INFO, logger="inference_svc.models.generative")
-    lm = SimpleNamespace(decode_attention=attention)
+    lm = SimpleNamespace(decode_attention=attention, shape=shape)
     assert kv_cache_dtype(setting, lm, context(dtype)) == want  # type: ignore[arg-type]
     if why:
         assert f"model lm: --kv-cache-dtype auto: {why}" in caplog.text

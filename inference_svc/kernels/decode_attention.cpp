@@ -29,7 +29,7 @@
 #include <cmath>
 #include <vector>
 
-#ifdef CPU_CAPABILITY_AVX512
+#if defined(CPU_CAPABILITY_AVX512) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -38,15 +38,32 @@ namespace {
 using at::Tensor;
 using Vec = at::vec::Vectorized<float>;
 
+// One row of D values as float32 (float16 with F16C's 8-wide conversion: at::vec's own
+// ran the float16 cache at half the float32 cache's speed on AVX2).
+template <typename T>
+inline void row_to_float(const T* x, float* out, int64_t D) {
+  at::vec::convert(x, out, D);
+}
+#ifdef __F16C__
+template <>
+inline void row_to_float<c10::Half>(const c10::Half* x, float* out, int64_t D) {
+  int64_t i = 0;
+  for (; i + 8 <= D; i += 8) {
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(x + i))));
+  }
+  for (; i < D; ++i) out[i] = static_cast<float>(x[i]);
+}
+#endif
+
 // Rows [0, m) of a [slots, D] block with row stride ``stride``, as float32: the block itself
-// for float32; bfloat16 is converted once into ``buf`` (then read G times from cache).
+// for float32; bfloat16 and float16 are converted once into ``buf`` (then read G times from
+// cache).
 template <typename T>
 inline const float* rows_as_float(const T* x, int64_t stride, int64_t m, int64_t D,
                                   std::vector<float>& buf, int64_t* out_stride) {
   buf.resize(m * D);
-  for (int64_t j = 0; j < m; ++j) {
-    at::vec::convert(x + j * stride, buf.data() + j * D, D);
-  }
+  for (int64_t j = 0; j < m; ++j) row_to_float(x + j * stride, buf.data() + j * D, D);
   *out_stride = D;
   return buf.data();
 }

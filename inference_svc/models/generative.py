@@ -12,7 +12,7 @@ from torch import Tensor
 from inference_api.plan import Bucket, CompilationMode
 from inference_svc.compile_monitor import Origin
 from inference_svc.limits import GenLimits
-from inference_svc.models import hugepages
+from inference_svc.models import cpu, hugepages
 from inference_svc.models.aoti import AotiGraph, Family
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.decoder_shape import text_decoder
@@ -287,17 +287,26 @@ def load_generative(
 
 def kv_cache_dtype(setting: str, lm: LlamaLM, ctx: ModelContext) -> torch.dtype:
     """--kv-cache-dtype: same (the model's dtype), float16, or auto: float16 where the model
-    computes in float32 and its decode step runs on the native attention (which reads a
-    float16 cache as it loads it: half the bytes a step reads and the cache holds), else
-    same. Logged with the reason for auto."""
+    computes in float32 and its decode step runs on the native attention's fused path (which
+    reads a float16 cache as it loads it: half the bytes a step reads and the cache holds;
+    AVX-512, head size 64, up to 3 query heads a KV head), else same. Logged with the reason
+    for auto."""
     if setting != "auto":
         return torch.float16 if setting == "float16" else ctx.dtype
+    s, isa = lm.shape, cpu.capabilities().isa
+    group = s.num_heads // s.num_kv_heads
     if lm.decode_attention != "native":
         why, dtype = "decode attention sdpa", ctx.dtype
     elif ctx.dtype != torch.float32:
         why, dtype = f"the model computes in {str(ctx.dtype).removeprefix('torch.')}", ctx.dtype
+    elif isa != "AVX512" or s.head_dim != 64 or group > 3:
+        # The kernel's other paths convert a float16 block before reading it: 0.66-1.03x
+        # the float32 cache's speed, measured on AVX2 (bench/README.md).
+        why = (f"capability {isa}, head size {s.head_dim}, {group} query heads a KV head: "
+               "not the kernel's fused path")  # fmt: skip
+        dtype = ctx.dtype
     else:
-        why, dtype = "float32 model, native decode attention", torch.float16
+        why, dtype = "float32 model, native decode attention on AVX-512", torch.float16
     log.info("model %s: --kv-cache-dtype auto: %s (%s)", ctx.name,
              str(dtype).removeprefix("torch."), why)  # fmt: skip
     return dtype
