@@ -152,6 +152,8 @@ inline void head_block_any(const float* qg, const float* kf, int64_t kst, const 
 // heads in one pass over a chunk's keys and one over its values, each slot's row loaded
 // (and converted from the cache's type) once, and the scores of 4 slots reduced together
 // (a horizontal sum a slot costs more than its 4 FMAs).
+// (--kv-cache-dtype auto picks float16 where this path runs: generative.kv_cache_dtype
+// states the same condition.)
 constexpr int64_t FUSED_D = 64;
 constexpr int64_t FUSED_G = 3;
 
@@ -176,6 +178,12 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// One query head's products with one key row (k: its 4 vectors), still 16 lanes.
+inline __m512 products(const __m512* q, const __m512* k) {
+  return _mm512_fmadd_ps(q[3], k[3], _mm512_fmadd_ps(q[2], k[2],
+                         _mm512_fmadd_ps(q[1], k[1], _mm512_mul_ps(q[0], k[0]))));
+}
+
 // G (<= 3) query heads qf [G, 64] (scaled) over m slots of keys kp and values vp (row
 // strides kst, vst): per head r = [max, sum, 64 weighted values]; s: G * m scratch.
 template <typename T, int G>
@@ -189,22 +197,17 @@ void heads_fused(const float* qf, const T* kp, int64_t kst, const T* vp, int64_t
     __m512 p[G][4];
     for (int jj = 0; jj < 4; ++jj) {
       const T* kj = kp + (j + jj) * kst;
-      const __m512 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32),
-                   k3 = load16(kj + 48);
-      for (int g = 0; g < G; ++g) {
-        p[g][jj] = _mm512_fmadd_ps(q[g][3], k3, _mm512_fmadd_ps(q[g][2], k2,
-                   _mm512_fmadd_ps(q[g][1], k1, _mm512_mul_ps(q[g][0], k0))));
-      }
+      const __m512 k[4] = {load16(kj), load16(kj + 16), load16(kj + 32), load16(kj + 48)};
+      for (int g = 0; g < G; ++g) p[g][jj] = products(q[g], k);
     }
-    for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * m + j, sum4(p[g][0], p[g][1], p[g][2], p[g][3]));
-  }
-  for (; j < m; ++j) {
-    const T* kj = kp + j * kst;
-    const __m512 k0 = load16(kj), k1 = load16(kj + 16), k2 = load16(kj + 32), k3 = load16(kj + 48);
     for (int g = 0; g < G; ++g) {
-      s[g * m + j] = _mm512_reduce_add_ps(_mm512_fmadd_ps(q[g][3], k3, _mm512_fmadd_ps(
-          q[g][2], k2, _mm512_fmadd_ps(q[g][1], k1, _mm512_mul_ps(q[g][0], k0)))));
+      _mm_storeu_ps(s + g * m + j, sum4(p[g][0], p[g][1], p[g][2], p[g][3]));
     }
+  }
+  for (; j < m; ++j) {  // the last 1-3 slots, one at a time
+    const T* kj = kp + j * kst;
+    const __m512 k[4] = {load16(kj), load16(kj + 16), load16(kj + 32), load16(kj + 48)};
+    for (int g = 0; g < G; ++g) s[g * m + j] = _mm512_reduce_add_ps(products(q[g], k));
   }
   for (int g = 0; g < G; ++g) {
     float* sg = s + g * m;

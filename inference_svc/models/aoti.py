@@ -199,22 +199,24 @@ class AotiGraph:
         path = self.store.target(self.name)
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_name(f".{uuid.uuid4().hex}-{path.name}")  # ends in .pt2, as torch asks
-        for last in (not self.options.get("freezing") or not UNFROZEN_OPTIONS.keys() & self.options,
-                     True):  # fmt: skip
-            try:
-                with torch.no_grad():
-                    torch._inductor.aoti_compile_and_package(
-                        program, package_path=str(part), inductor_configs=self.options
-                    )
-                break
-            except Exception as e:
-                if last:
-                    raise
-                # A frozen constant that cannot lie beside the library (an opaque prepacked
-                # weight freezing_keeps_weights did not foresee): keep them all inside it.
-                log.warning("package %s: frozen weights cannot be kept beside the library (%s); "
-                            "building it with them inside", self.name, _short(e))  # fmt: skip
-                self.options = {k: v for k, v in self.options.items() if k not in UNFROZEN_OPTIONS}
+
+        def compile_into_part() -> None:
+            with torch.no_grad():
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(part), inductor_configs=self.options
+                )
+
+        try:
+            compile_into_part()
+        except Exception as e:
+            if not self.options.get("freezing") or not UNFROZEN_OPTIONS.keys() & self.options:
+                raise
+            # A frozen constant that cannot lie beside the library (an opaque prepacked
+            # weight freezing_keeps_weights did not foresee): keep them all inside it.
+            log.warning("package %s: frozen weights cannot be kept beside the library (%s); "
+                        "building it with them inside", self.name, _short(e))  # fmt: skip
+            self.options = {k: v for k, v in self.options.items() if k not in UNFROZEN_OPTIONS}
+            compile_into_part()
         left = strip_shared(part, self.module)  # what the model lends is not stored twice
         part.rename(path)
         run = _load(path, self.module)

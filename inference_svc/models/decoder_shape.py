@@ -159,8 +159,7 @@ class LlamaShape:
             )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
 def _sliding_layers(config: object, window: int | None) -> tuple[bool, ...]:

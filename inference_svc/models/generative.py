@@ -18,7 +18,7 @@ from inference_svc.models.compile import ModelContext
 from inference_svc.models.decoder_shape import text_decoder
 from inference_svc.models.llama import LlamaLM, LlamaShape
 from inference_svc.models.loading import load_causal_lm_parts, own_memory
-from inference_svc.models.weights import convert_linears, numerics
+from inference_svc.models.weights import convert_linears, dtype_name, numerics
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class GenerativeModel:
         self.k_cache, self.v_cache = both[: s.num_layers], both[s.num_layers :]
         self.cache_pages = how
         log.info("model %s: KV cache %d rows x %d slots, %s, %s", self.name, rows, dims[2] - 1,
-                 str(self.cache_dtype).removeprefix("torch."), how)  # fmt: skip
+                 dtype_name(self.cache_dtype), how)  # fmt: skip
 
     def free_cache(self) -> None:
         self.k_cache = self.v_cache = None
@@ -298,8 +298,8 @@ def kv_cache_dtype(setting: str, lm: LlamaLM, ctx: ModelContext) -> torch.dtype:
     if lm.decode_attention != "native":
         why, dtype = "decode attention sdpa", ctx.dtype
     elif ctx.dtype != torch.float32:
-        why, dtype = f"the model computes in {str(ctx.dtype).removeprefix('torch.')}", ctx.dtype
-    elif isa != "AVX512" or s.head_dim != 64 or group > 3:
+        why, dtype = f"the model computes in {dtype_name(ctx.dtype)}", ctx.dtype
+    elif isa != "AVX512" or s.head_dim != 64 or group > 3:  # decode_attention.cpp's FUSED_*
         # The kernel's other paths convert a float16 block before reading it: 0.66-1.03x
         # the float32 cache's speed, measured on AVX2 (bench/README.md).
         why = (f"capability {isa}, head size {s.head_dim}, {group} query heads a KV head: "
@@ -308,7 +308,7 @@ def kv_cache_dtype(setting: str, lm: LlamaLM, ctx: ModelContext) -> torch.dtype:
     else:
         why, dtype = "float32 model, native decode attention on AVX-512", torch.float16
     log.info("model %s: --kv-cache-dtype auto: %s (%s)", ctx.name,
-             str(dtype).removeprefix("torch."), why)  # fmt: skip
+             dtype_name(dtype), why)  # fmt: skip
     return dtype
 
 

@@ -196,6 +196,11 @@ def _swap(lm: nn.Module, make: Callable[[str, nn.Linear], nn.Module | None]) -> 
     return kept
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``float32`` for ``torch.float32``: how Describe, Info and the log name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def numerics(
     dtype: torch.dtype, scheme: str, why: str = "", kernel: str = "torch",
     cache: torch.dtype | None = None,
@@ -205,9 +210,9 @@ def numerics(
     on this project's kernel: 8-bit activations in the products, the output layer in int8),
     ``+float16-kv`` where the KV cache is in another dtype, then why --lm-weights auto chose
     the weights: ``float32+int4-linear (auto: AMX-BF16)``."""
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)
     if not (scheme == "same" or (scheme == "bfloat16" and dtype == torch.bfloat16)):
         name = f"{name}+{scheme}-linear" + ("-native" if kernel == "native" else "")
     if cache is not None and cache != dtype:
-        name += f"+{str(cache).removeprefix('torch.')}-kv"
+        name += f"+{dtype_name(cache)}-kv"
     return f"{name} (auto: {why})" if why else name
