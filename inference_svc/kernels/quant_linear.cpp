@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -55,41 +56,106 @@ using Half = uint16_t;     // float16's bits: the scales and minimums
 //   sum (q - 8) xhat + 8 sum x = d1 dot1 + d2 dot2 + e
 // and a group's two terms cost two conversions and four FMAs together.
 struct Quantised {
-  std::vector<int8_t> xq;
+  std::unique_ptr<int8_t[]> xq;  // not value-initialised: every byte is written
   std::vector<float> d1, d2, xs, e;
 };
+
+// One group of 32 values of x into its two terms (q1, q2: 32 int8 each) and its d1, d2, sum
+// and e (see Quantised). The rounding is to nearest, ties to even, as std::nearbyint's.
+#ifdef QL_AVX2
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline int32_t hsum(__m256i v) {
+  __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+}
+
+// 256-bit vectors (AVX2 and AVX-512 builds): ~0.7 ns a value against the scalar loop's ~2.5-3
+// (a quarter of the kernel's time at 8 rows and K = 1536 with the scalar loop; AMD EPYC).
+void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs, float& e) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 r[4];
+  for (int j = 0; j < 4; ++j) r[j] = _mm256_loadu_ps(xg + 8 * j);
+  xs = hsum(_mm256_add_ps(_mm256_add_ps(r[0], r[1]), _mm256_add_ps(r[2], r[3])));
+  double quantised = 0.;
+  for (int term = 0; term < 2; ++term) {
+    const __m256 amaxv = _mm256_max_ps(
+        _mm256_max_ps(_mm256_andnot_ps(sign, r[0]), _mm256_andnot_ps(sign, r[1])),
+        _mm256_max_ps(_mm256_andnot_ps(sign, r[2]), _mm256_andnot_ps(sign, r[3])));
+    const float amax = hmax(amaxv);
+    d[term] = amax / 127.f;
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), dv = _mm256_set1_ps(d[term]);
+    __m256i qi[4];
+    __m256i qsum = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+      const __m256 qf = _mm256_round_ps(_mm256_mul_ps(r[j], inv),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      qi[j] = _mm256_cvtps_epi32(qf);
+      qsum = _mm256_add_epi32(qsum, qi[j]);
+      r[j] = _mm256_fnmadd_ps(dv, qf, r[j]);
+    }
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                             _mm256_packs_epi32(qi[2], qi[3]));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(term == 0 ? q1 : q2),
+                        _mm256_permutevar8x32_epi32(bytes, order));
+    quantised += static_cast<double>(d[term]) * hsum(qsum);
+  }
+  e = static_cast<float>(8. * (static_cast<double>(xs) - quantised));
+}
+#else
+void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs, float& e) {
+  float r[GROUP];
+  float sum = 0.f;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    r[j] = xg[j];
+    sum += xg[j];
+  }
+  double quantised = 0.;  // d1 qs1 + d2 qs2
+  for (int64_t term = 0; term < 2; ++term) {  // r: what is left to quantise
+    float amax = 0.f;
+    for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(r[j]));
+    d[term] = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qsum = 0;
+    int8_t* q = term == 0 ? q1 : q2;
+    for (int64_t j = 0; j < GROUP; ++j) {
+      q[j] = static_cast<int8_t>(std::nearbyint(r[j] * inv));
+      qsum += q[j];
+      r[j] -= d[term] * static_cast<float>(q[j]);
+    }
+    quantised += static_cast<double>(d[term]) * qsum;
+  }
+  xs = sum;
+  e = static_cast<float>(8. * (static_cast<double>(sum) - quantised));
+}
+#endif
 
 Quantised quantise(const float* x, int64_t M, int64_t K) {
   const int64_t G = K / GROUP;
   const auto per = [&] { return std::vector<float>(M * G); };
-  Quantised out{std::vector<int8_t>(2 * M * K), per(), per(), per(), per()};
+  Quantised out{std::unique_ptr<int8_t[]>(new int8_t[2 * M * K]), per(), per(), per(), per()};
   at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
-    float r[GROUP];
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / G, g = i % G;
-      const float* xg = x + i * GROUP;  // group g of row m is at m * K + g * 32 = i * 32
-      float sum = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) {
-        r[j] = xg[j];
-        sum += xg[j];
-      }
-      double quantised = 0.;  // d1 qs1 + d2 qs2
-      for (int64_t term = 0; term < 2; ++term) {  // r: what is left to quantise
-        float amax = 0.f;
-        for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(r[j]));
-        const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t qsum = 0;
-        int8_t* q = out.xq.data() + (2 * m + term) * K + g * GROUP;
-        for (int64_t j = 0; j < GROUP; ++j) {
-          q[j] = static_cast<int8_t>(std::nearbyint(r[j] * inv));
-          qsum += q[j];
-          r[j] -= d * static_cast<float>(q[j]);
-        }
-        (term == 0 ? out.d1 : out.d2)[i] = d;
-        quantised += static_cast<double>(d) * qsum;
-      }
-      out.xs[i] = sum;
-      out.e[i] = static_cast<float>(8. * (static_cast<double>(sum) - quantised));
+      int8_t* q1 = out.xq.get() + 2 * m * K + g * GROUP;
+      float d[2];
+      // group g of row m is at m * K + g * 32 = i * 32
+      quantise_group(x + i * GROUP, q1, q1 + K, d, out.xs[i], out.e[i]);
+      out.d1[i] = d[0];
+      out.d2[i] = d[1];
     }
   });
   return out;
@@ -193,7 +259,7 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
   Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y.view(shape).to(x.scalar_type());
   const Quantised xq = quantise(xf.const_data_ptr<float>(), M, K);
-  const Rows all{xq.xq.data(), xq.d1.data(), xq.d2.data(), xq.xs.data(), xq.e.data(), K, G};
+  const Rows all{xq.xq.get(), xq.d1.data(), xq.d2.data(), xq.xs.data(), xq.e.data(), K, G};
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
   const auto* sp = static_cast<const Half*>(scales.const_data_ptr());
   const auto* mp = bits == 4 ? static_cast<const Half*>(mins.const_data_ptr()) : nullptr;
