@@ -61,6 +61,14 @@ struct Y {
   static I dot4(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
   static I widen4(I acc) { return acc; }
   static I dot8(I acc, I u, I s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static I dot4m(I acc, I u, const int8_t* p) {  // dot4 with p's 4 bytes in every lane
+    // the broadcast inside the dot product (EVEX's {1to8}): the compiler emits a separate
+    // vpbroadcastd for _mm256_set1_epi32; 1.04-1.08x at 4-64 rows (AMD EPYC)
+    __asm__("vpdpbusd %[x]%{1to8%}, %[u], %[acc]"
+            : [acc] "+v"(acc)
+            : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
 #else
   // pairs into int16: for 4 bits a group's 8 sums of <= 3810 stay below 32767 (widened once
   // a group); for 8 bits a pair sums to <= 32512, widened at each step
@@ -72,6 +80,7 @@ struct Y {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
                                                    _mm256_set1_epi16(1)));
   }
+  static I dot4m(I acc, I u, const int8_t* p) { return dot4(acc, u, four(p)); }
 #endif
 };
 
@@ -109,6 +118,12 @@ struct Z {
   static I dot4(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
   static I widen4(I acc) { return acc; }
   static I dot8(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static I dot4m(I acc, I u, const int8_t* p) {
+    __asm__("vpdpbusd %[x]%{1to16%}, %[u], %[acc]"
+            : [acc] "+v"(acc)
+            : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
 };
 #endif
 
@@ -161,8 +176,8 @@ inline void block4(const uint8_t* q, const Half* sc, const Half* mn, int64_t qb,
       const typename V::I lo = V::low(v, mask), hi = V::high(v, mask);
       for (int r = 0; r < 2 * P; ++r) {
         const int8_t* x8 = x.xq + r * x.K + g * GROUP + c * 8;
-        acc.a[r] = V::dot4(acc.a[r], lo, V::four(x8));
-        acc.second(r) = V::dot4(acc.second(r), hi, V::four(x8 + 4));
+        acc.a[r] = V::dot4m(acc.a[r], lo, x8);
+        acc.second(r) = V::dot4m(acc.second(r), hi, x8 + 4);
       }
     }
     const typename V::F s = V::load(sc + g * NB, sb), m = V::load(mn + g * NB, sb);
