@@ -60,6 +60,13 @@ struct Quantised {
   std::vector<float> d1, d2, xs, e;
 };
 
+// A term's scale d = max|r| / 127 and its inverse (0 for a group of zeros): one definition for
+// both implementations of quantise_group below.
+struct TermScale {
+  float d, inv;
+  explicit TermScale(float amax) : d(amax / 127.f), inv(amax > 0.f ? 127.f / amax : 0.f) {}
+};
+
 // One group of 32 values of x into its two terms (q1, q2: 32 int8 each) and its d1, d2, sum
 // and e (see Quantised). The rounding is to nearest, ties to even, as std::nearbyint's.
 #ifdef QL_AVX2
@@ -83,7 +90,8 @@ inline int32_t hsum(__m256i v) {
 
 // 256-bit vectors (AVX2 and AVX-512 builds): ~0.7 ns a value against the scalar loop's ~2.5-3
 // (a quarter of the kernel's time at 8 rows and K = 1536 with the scalar loop; AMD EPYC).
-void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs, float& e) {
+void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float& d1, float& d2, float& xs,
+                    float& e) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 r[4];
   for (int j = 0; j < 4; ++j) r[j] = _mm256_loadu_ps(xg + 8 * j);
@@ -93,9 +101,9 @@ void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs
     const __m256 amaxv = _mm256_max_ps(
         _mm256_max_ps(_mm256_andnot_ps(sign, r[0]), _mm256_andnot_ps(sign, r[1])),
         _mm256_max_ps(_mm256_andnot_ps(sign, r[2]), _mm256_andnot_ps(sign, r[3])));
-    const float amax = hmax(amaxv);
-    d[term] = amax / 127.f;
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f), dv = _mm256_set1_ps(d[term]);
+    const TermScale scale(hmax(amaxv));
+    (term == 0 ? d1 : d2) = scale.d;
+    const __m256 inv = _mm256_set1_ps(scale.inv), dv = _mm256_set1_ps(scale.d);
     __m256i qi[4];
     __m256i qsum = _mm256_setzero_si256();
     for (int j = 0; j < 4; ++j) {
@@ -111,12 +119,13 @@ void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(term == 0 ? q1 : q2),
                         _mm256_permutevar8x32_epi32(bytes, order));
-    quantised += static_cast<double>(d[term]) * hsum(qsum);
+    quantised += static_cast<double>(scale.d) * hsum(qsum);
   }
   e = static_cast<float>(8. * (static_cast<double>(xs) - quantised));
 }
 #else
-void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs, float& e) {
+void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float& d1, float& d2, float& xs,
+                    float& e) {
   float r[GROUP];
   float sum = 0.f;
   for (int64_t j = 0; j < GROUP; ++j) {
@@ -127,16 +136,16 @@ void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float* d, float& xs
   for (int64_t term = 0; term < 2; ++term) {  // r: what is left to quantise
     float amax = 0.f;
     for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(r[j]));
-    d[term] = amax / 127.f;
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    const TermScale scale(amax);
+    (term == 0 ? d1 : d2) = scale.d;
     int32_t qsum = 0;
     int8_t* q = term == 0 ? q1 : q2;
     for (int64_t j = 0; j < GROUP; ++j) {
-      q[j] = static_cast<int8_t>(std::nearbyint(r[j] * inv));
+      q[j] = static_cast<int8_t>(std::nearbyint(r[j] * scale.inv));
       qsum += q[j];
-      r[j] -= d[term] * static_cast<float>(q[j]);
+      r[j] -= scale.d * static_cast<float>(q[j]);
     }
-    quantised += static_cast<double>(d[term]) * qsum;
+    quantised += static_cast<double>(scale.d) * qsum;
   }
   xs = sum;
   e = static_cast<float>(8. * (static_cast<double>(sum) - quantised));
@@ -151,11 +160,8 @@ Quantised quantise(const float* x, int64_t M, int64_t K) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t m = i / G, g = i % G;
       int8_t* q1 = out.xq.get() + 2 * m * K + g * GROUP;
-      float d[2];
       // group g of row m is at m * K + g * 32 = i * 32
-      quantise_group(x + i * GROUP, q1, q1 + K, d, out.xs[i], out.e[i]);
-      out.d1[i] = d[0];
-      out.d2[i] = d[1];
+      quantise_group(x + i * GROUP, q1, q1 + K, out.d1[i], out.d2[i], out.xs[i], out.e[i]);
     }
   });
   return out;
