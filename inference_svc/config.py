@@ -159,6 +159,12 @@ class ServiceConfig:
     prefill_chunk_tokens: int = setting(
         64, "most prompt tokens prefilled between two decode steps of running streams"
     )
+    prefill_stall_steps: float = setting(
+        2.0,
+        "while streams decode, a joiner's prefill chunk is cut narrower (16-token steps) so "
+        "that it costs at most this many of their decode steps, as measured while serving; "
+        "0 = off: always --prefill-chunk-tokens",
+    )
     max_input_tokens: int = setting(512, "longest Generate prompt, in tokens")
     max_new_tokens: int = setting(512, "largest max_tokens a request may ask")
     kv_cache_tokens: int | None = setting(
@@ -340,6 +346,8 @@ def _check(p: argparse.ArgumentParser, c: ServiceConfig) -> None:
         p.error("--max-input-tokens must be at least 2 and --max-new-tokens at least 1")
     if c.prefill_chunk_tokens < 16:
         p.error("--prefill-chunk-tokens must be at least 16")
+    if c.prefill_stall_steps < 0:
+        p.error("--prefill-stall-steps must be 0 (off) or more")
     if not 0 < c.kv_cache_memory_fraction <= 1:
         p.error("--kv-cache-memory-fraction must be in (0, 1]")
     if bool(c.tls_cert_file) != bool(c.tls_key_file):

@@ -1,7 +1,8 @@
 """Generate's turn on a real compute thread, with the real scheduler, inbox and output stage
 and a scripted runner (no model): chunks in order, rows freed and reused, stop strings ending
 a request from the output stage, a failing step answering every running request, a stop
-answering the waiting ones; the output stage never runs on the compute thread."""
+answering the waiting ones, a joiner's prompt cut narrower while others decode; the output
+stage never runs on the compute thread."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.generate_loop import GenerateLoop
 from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.output import OutputStage, Sampled
+from inference_svc.engine.pacing import ChunkPacer
 from inference_svc.engine.scheduler import DecodePlan, Scheduler, Sequence
 from inference_svc.engine.types import FinishReason, GenChunk, GenerateParams
 from inference_svc.errors import Unavailable
@@ -32,15 +34,20 @@ def letters(ids: list[int]) -> str:
 class ScriptedRunner:
     """Each request samples the tokens of its script (keyed by its seed), in order."""
 
-    def __init__(self, rows: int, scripts: dict[int, list[int]], fail: bool = False) -> None:
+    def __init__(
+        self, rows: int, scripts: dict[int, list[int]], fail: bool = False, token_s: float = 0
+    ) -> None:
         self._rows, self.scripts, self.fail = rows, scripts, fail
+        self.token_s = token_s  # a prefill's time per prompt token
         self.decoded: list[dict[int, int]] = []
+        self.chunks: dict[int, list[int]] = {}  # seed -> its chunks' token counts
 
     def rows(self) -> int:
         return self._rows
 
     def prefill(self, chunk) -> None:
-        pass
+        self.chunks.setdefault(chunk.seq.params.seed, []).append(len(chunk.ids))
+        time.sleep(self.token_s * len(chunk.ids))
 
     def sample(self, seqs: list[Sequence]):
         return [(s, self.scripts[s.params.seed][s.generated], None) for s in seqs]
@@ -57,12 +64,14 @@ class ScriptedRunner:
 
 
 class Client:
-    def __init__(self, seed: int, stop: tuple[str, ...] = (), max_tokens: int = 16) -> None:
+    def __init__(
+        self, seed: int, stop: tuple[str, ...] = (), max_tokens: int = 16, prompt: int = 3
+    ) -> None:
         self.events: queue.Queue[GenChunk | BaseException] = queue.Queue()
         self.threads: set[str] = set()
         params = GenerateParams("p", (), temperature=0.5, seed=seed, max_tokens=max_tokens,
                                 stop=stop)  # fmt: skip
-        self.seq = Sequence([5, 6, 7], params, self._emit)
+        self.seq = Sequence([5, 6, 7] * (prompt // 3) + [5] * (prompt % 3), params, self._emit)
 
     def _emit(self, event: GenChunk | BaseException) -> None:
         self.threads.add(threading.current_thread().name)
@@ -87,7 +96,8 @@ def make_loop():
         inbox: Inbox[Sequence] = Inbox("lm", 16, ComputeThread())
         text = ThreadPoolExecutor(1, thread_name_prefix="text")
         GenerateLoop(inbox, Scheduler(64, frozenset({EOS})), runner,  # type: ignore[arg-type]
-                     OutputStage(text, letters, lambda i: letters([i])))  # fmt: skip
+                     OutputStage(text, letters, lambda i: letters([i])),
+                     ChunkPacer((16, 32, 48, 64)))  # fmt: skip
         made.append(inbox)
         return inbox
 
@@ -147,3 +157,26 @@ def test_a_stop_answers_what_waits_unavailable(make_loop) -> None:
     for client in (a, b):
         _, error = client.result()
         assert isinstance(error, Unavailable)
+
+
+def test_a_joiner_prefills_in_narrow_chunks_while_others_decode(make_loop) -> None:
+    # A prompt token costs 0.8 ms to prefill: a 64-token chunk ~51 ms, ten decode steps.
+    scripts = {1: [1, EOS], 2: [2] * 80, 3: [2] * 80, 4: [3, EOS]}
+    runner = ScriptedRunner(3, scripts, token_s=0.0008)
+    inbox = make_loop(runner)
+    alone = Client(1, prompt=64)
+    inbox.submit(alone.seq)
+    assert alone.result() == ("a", FinishReason.EOS)
+    running = [Client(2, max_tokens=80), Client(3, max_tokens=80)]
+    for client in running:
+        inbox.submit(client.seq)
+    deadline = time.monotonic() + 10
+    while min(c.seq.generated for c in running) < 3 and time.monotonic() < deadline:
+        time.sleep(STEP_S)
+    joiner = Client(4, prompt=64)
+    inbox.submit(joiner.seq)
+    assert joiner.result() == ("c", FinishReason.EOS)
+    assert all(c.seq.generated < 80 for c in running)  # still decoding when it finished
+    assert runner.chunks[1] == [64]  # on an idle service: the widest chunk
+    assert runner.chunks[4] == [16, 16, 16, 16]  # each no costlier than ~two decode steps
+    assert [c.result() for c in running] == [("b" * 80, FinishReason.LENGTH)] * 2

@@ -2,18 +2,22 @@
 
 The scheduler (engine/scheduler.py) decides, the runner (engine/runner.py) runs the model
 and the sampler, the output stage (engine/output.py) turns the sampled ids into chunks on
-the model's text thread. Warmup steps (calls) run only when no request holds a row: while
-one waits, no new request is admitted (a warmup step may resize the KV cache).
+the model's text thread; the pacer (engine/pacing.py) narrows the prefill chunk while rows
+decode, from the iteration times it is shown here. Warmup steps (calls) run only when no
+request holds a row: while one waits, no new request is admitted (a warmup step may resize
+the KV cache).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from inference_svc.engine.compute import Call
 from inference_svc.engine.inbox import Inbox, Stop
 from inference_svc.engine.output import OutputStage
+from inference_svc.engine.pacing import ChunkPacer
 from inference_svc.engine.runner import GenerateRunner
 from inference_svc.engine.scheduler import Scheduler, Sequence
 from inference_svc.errors import Unavailable
@@ -28,9 +32,11 @@ class GenerateLoop:
         scheduler: Scheduler,
         runner: GenerateRunner,
         output: OutputStage,
+        pacer: ChunkPacer | None = None,
     ) -> None:
         self.name, self.inbox = inbox.name, inbox
         self.scheduler, self.runner, self.output = scheduler, runner, output
+        self.pacer = pacer
         self._calls: deque[Call] = deque()
         inbox.waiting = lambda: len(scheduler.waiting)
         inbox.compute.register(self)
@@ -72,21 +78,25 @@ class GenerateLoop:
         return True
 
     def _iterate(self) -> None:
-        sched, runner = self.scheduler, self.runner
-        chunk = sched.next_chunk()
+        sched, runner, pacer = self.scheduler, self.runner, self.pacer
+        start = time.perf_counter()
+        chunk = sched.next_chunk(pacer.limit(sched.decoding, sched.prompts) if pacer else None)
         if chunk is not None:
             runner.prefill(chunk)
             sched.prefilled(chunk)
-        ready = sched.ready()
-        if not ready:
-            return
-        drawn = runner.sample(ready)
-        plan = sched.sampled([(seq, token) for seq, token, _ in drawn])
-        self.output.push([runner.read_back(seq, token, out) for seq, token, out in drawn])
-        if plan is not None:
-            runner.decode(plan)
-            sched.decoded(plan)
-            self.inbox.batches_by_rows[len(plan.tokens)] += 1
+        decoded = 0
+        if ready := sched.ready():
+            drawn = runner.sample(ready)
+            plan = sched.sampled([(seq, token) for seq, token, _ in drawn])
+            self.output.push([runner.read_back(seq, token, out) for seq, token, out in drawn])
+            if plan is not None:
+                runner.decode(plan)
+                sched.decoded(plan)
+                self.inbox.batches_by_rows[len(plan.tokens)] += 1
+                decoded = len(plan.tokens)
+        if pacer:
+            tokens = len(chunk.ids) if chunk else 0
+            pacer.observe(tokens, decoded, time.perf_counter() - start)
 
     def _shut_down(self) -> None:
         stopped = Unavailable(f"model {self.name}: the service is stopping")

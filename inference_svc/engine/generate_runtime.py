@@ -27,6 +27,7 @@ from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.generate_loop import GenerateLoop
 from inference_svc.engine.inbox import Inbox
 from inference_svc.engine.output import OutputStage
+from inference_svc.engine.pacing import STALL, ChunkPacer
 from inference_svc.engine.runner import GenerateRunner
 from inference_svc.engine.runtime import (
     LoadEnv,
@@ -68,6 +69,7 @@ class GenerativeRuntime(RuntimeBase):
         max_queue: int,
         monitor: CompileMonitor,
         compute: ComputeThread,
+        stall_steps: float = STALL,
     ) -> None:
         inbox: Inbox[Sequence] = Inbox(model.name, max_queue, compute)
         super().__init__(model.name, display_name, inbox, monitor)
@@ -83,7 +85,8 @@ class GenerativeRuntime(RuntimeBase):
         self.runner = GenerateRunner(model, self.sampler, logprobs_mode, buckets)
         self.scheduler = Scheduler(model.limits.prefill_chunk, model.eos_ids)
         output = OutputStage(self._text, model.detokenize, model.token_text)
-        self.loop = GenerateLoop(inbox, self.scheduler, self.runner, output)
+        pacer = ChunkPacer(buckets.chunk, stall_steps) if stall_steps > 0 else None
+        self.loop = GenerateLoop(inbox, self.scheduler, self.runner, output, pacer)
         self.model = model
         self.logprobs_mode = logprobs_mode
         self.kv_cache = kv_cache
@@ -206,7 +209,7 @@ def load(env: LoadEnv, directory: Path) -> GenerativeRuntime:
     policy = KvCachePolicy(c.kv_cache_tokens, c.kv_cache_memory_fraction)
     return GenerativeRuntime(
         model, display_name(c.lm_model, directory), c.logprobs_mode, policy, c.max_queue,
-        env.monitor, env.compute,
+        env.monitor, env.compute, c.prefill_stall_steps,
     )  # fmt: skip
 
 

@@ -7,10 +7,11 @@ decode together. One iteration (engine/generate_loop.py drives it):
 
 1. ``reap()`` (a cancelled request, or one the output stage ended on a stop string, frees
    its row now); ``admit()`` (waiting requests take the lowest free rows, oldest first:
-   FIFO, no starvation); ``next_chunk()``: ONE prefill chunk (at most ``chunk_tokens``
-   tokens) of the oldest request still prefilling. Running streams are never paused for a whole
-   long prompt: the gap between two of their tokens is at most one decode step plus one
-   chunk, and a joining request's first token waits at most one decode step per chunk;
+   FIFO, no starvation); ``next_chunk(limit)``: ONE prefill chunk (at most ``chunk_tokens``
+   tokens, fewer while rows are decoding: engine/pacing.py sets ``limit``) of the oldest
+   request still prefilling. Running streams are never paused for a whole long prompt: the
+   gap between two of their tokens is at most one decode step plus one chunk, and a joining
+   request's first token waits at most one decode step per chunk;
 2. ``prefilled(chunk)`` once the runner wrote it;
 3. ``ready()``: every row whose next-token logits are ready (rows just decoded, and a
    request whose prefill just ended) samples, in one sampler call;
@@ -118,12 +119,23 @@ class Scheduler:
             seq.row = heapq.heappop(self._free)
             self.running.append(seq)
 
-    def next_chunk(self) -> Chunk | None:
+    @property
+    def decoding(self) -> int:
+        """Admitted requests past their prompt: they sample and decode this iteration."""
+        return sum(not s.prefilling and not s.gone for s in self.running)
+
+    @property
+    def prompts(self) -> int:
+        """Requests waiting for their first token: admitted and prefilling, or queued."""
+        return sum(s.prefilling and not s.gone for s in self.running) + len(self.waiting)
+
+    def next_chunk(self, limit: int | None = None) -> Chunk | None:
+        """The next chunk: at most ``limit`` (default and cap: ``chunk_tokens``) tokens."""
         seq = next((s for s in self.running if s.prefilling and not s.gone), None)
         if seq is None:
             return None
-        ids = seq.prompt_ids[seq.filled : seq.filled + self.chunk_tokens]
-        return Chunk(seq, seq.filled, ids)
+        n = min(limit or self.chunk_tokens, self.chunk_tokens)
+        return Chunk(seq, seq.filled, seq.prompt_ids[seq.filled : seq.filled + n])
 
     def prefilled(self, chunk: Chunk) -> None:
         chunk.seq.filled += len(chunk.ids)
