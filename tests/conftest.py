@@ -25,6 +25,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # artifacts unless it passes --compile-cache-dir itself (tests/test_artifacts.py does).
 os.environ["INFERENCE_SVC_COMPILE_CACHE_DIR"] = ""
 
+# The longest modules first (the full suite's --durations, 2 cores, 2026-12-07: test_e2e
+# ~400 s, test_artifacts ~280, test_compiled_tiny ~230, test_bench_quick ~190, ...). Workers
+# take whole modules in collection order (--dist loadfile), so one of these started last
+# would run on alone after the other worker is done; the rest keep their order.
+LONGEST_FIRST = (
+    "test_e2e.py", "test_artifacts.py", "test_compiled_tiny.py", "test_bench_quick.py",
+    "test_families_compiled.py", "test_decode_attention.py", "test_quant_linear.py",
+    "test_scaleout_envoy.py", "test_aoti.py", "test_generate.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
+
 
 @pytest.fixture(scope="session")
 def tiny_lm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
