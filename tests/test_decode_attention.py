@@ -9,8 +9,10 @@ what auto picks; a library kept and loaded, not rebuilt.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,6 +155,45 @@ def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:
                          text=True, timeout=120, check=True).stdout.split()  # fmt: skip
     assert out == [target.name, "8.0"]
     assert target.stat().st_mtime_ns == before
+
+
+def test_a_new_directory_copies_the_users_cache_instead_of_building(tmp_path) -> None:
+    """A restart with a new --compile-cache-dir on a machine that built the library once
+    (the user's cache holds it) copies that file: no build, and the op runs."""
+    shared = tmp_path / "xdg" / "inference-svc" / "kernels"
+    made = kernels.load(shared)  # registered already here: the library is copied in
+    script = (
+        "import sys, torch; from pathlib import Path; from inference_svc import kernels\n"
+        "kernels._build = lambda *a: sys.exit('rebuilt')\n"
+        "p = kernels.load(Path(sys.argv[1]))\n"
+        "q = torch.ones(1, 1, 1, 8); k = torch.ones(1, 1, 4, 8)\n"
+        "print(p.name, torch.ops.inference.decode_attention(q, k, k, torch.tensor([2]), 0, 1.0)"
+        ".sum().item())\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cc")], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    assert out.stdout.split() == [made.name, "8.0"], out.stderr
+    assert (tmp_path / "cc" / made.name).read_bytes() == made.read_bytes()
+
+
+def test_a_build_leaves_a_copy_in_the_users_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    built: list[Path] = []
+
+    def build(directory: Path, target: Path) -> None:  # the compiler's output, faked
+        directory.mkdir(parents=True)
+        target.write_bytes(b"library")
+        built.append(target)
+
+    monkeypatch.setattr(kernels, "_build", build)
+    target = tmp_path / "cc" / "kernels" / "inference_ops-k.so"
+    kernels._build_or_copy(target.parent, target)
+    shared = tmp_path / "xdg" / "inference-svc" / "kernels" / target.name
+    assert built == [target] and shared.read_bytes() == b"library"
+    again = tmp_path / "cc2" / "kernels" / target.name
+    kernels._build_or_copy(again.parent, again)  # a second directory: copied, not built
+    assert built == [target] and again.read_bytes() == b"library"
 
 
 def test_native_named_and_not_built_fails_the_load_naming_the_setting(

@@ -16,7 +16,9 @@ must be loaded (``load``) before such a package runs. It is built for the vector
 instructions ATen uses on this CPU, so it is keyed by the sources, the flags, torch's
 version and the CPU's flags, and kept in a directory (``set_directory``: the service's
 --compile-cache-dir, else the user's cache): a later start loads it in milliseconds; the
-first build takes ~15-40 s on 2 cores.
+first build takes ~15-40 s on 2 cores. Every build also leaves a copy in the user's cache,
+and a directory without the library takes that copy when it fits (a new --compile-cache-dir
+on a machine that built it once: a copy, not a build).
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def load(directory: Path | None = None) -> Path:
                 _publish(directory, target, lambda tmp: shutil.copy(_loaded, tmp))
             return target
         if not target.exists():
-            _build(directory, target)
+            _build_or_copy(directory, target)
         torch.ops.load_library(str(target))
         _register_fake()
         _loaded = target
@@ -129,6 +131,23 @@ def _publish(directory: Path, target: Path, make: Callable[[Path], object]) -> N
     with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
         make(Path(tmp))
         os.replace(next(Path(tmp).glob("*.so")), target)
+
+
+def _build_or_copy(directory: Path, target: Path) -> None:
+    """The library into ``directory``: the user's cache's copy when it has one, else built
+    (and a copy left there; a read-only home only logs it)."""
+    shared = directory_for("")
+    kept = shared / target.name
+    if directory != shared and kept.exists():
+        _publish(directory, target, lambda tmp: shutil.copy(kept, tmp))
+        log.info("this project's ops copied from %s", kept)
+        return
+    _build(directory, target)
+    if directory != shared and not kept.exists():
+        try:
+            _publish(shared, kept, lambda tmp: shutil.copy(target, tmp))
+        except OSError as exc:
+            log.info("this project's ops not kept in %s: %s", shared, exc)
 
 
 def _build(directory: Path, target: Path) -> None:
