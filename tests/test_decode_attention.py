@@ -138,21 +138,26 @@ def test_auto_falls_back_to_sdpa_when_the_kernel_does_not_build(monkeypatch, cap
     assert choose_decode_attention("native", cpu) == "native"  # load_generative says why
 
 
+# A fresh process (a restart) that loads the library from argv[1] and runs the op; it exits
+# with "rebuilt" if it would have to build the library.
+LOAD_WITHOUT_BUILDING = (
+    "import sys, torch; from pathlib import Path; from inference_svc import kernels\n"
+    "kernels._build = lambda *a: sys.exit('rebuilt')\n"
+    "p = kernels.load(Path(sys.argv[1]))\n"
+    "q = torch.ones(1, 1, 1, 8); k = torch.ones(1, 1, 4, 8)\n"
+    "print(p.name, torch.ops.inference.decode_attention(q, k, k, torch.tensor([2]), 0, 1.0)"
+    ".sum().item())\n"
+)
+
+
 def test_a_kept_library_is_loaded_not_rebuilt(tmp_path) -> None:
     """A fresh process (a restart) pointed at a directory that holds the library loads that
     file as it is, and the op runs there."""
     target = kernels.load(tmp_path)  # registered already here: the library is copied in
     before = target.stat().st_mtime_ns
-    script = (
-        "import sys, torch; from pathlib import Path; from inference_svc import kernels\n"
-        "kernels._build = lambda *a: sys.exit('rebuilt')\n"
-        "p = kernels.load(Path(sys.argv[1]))\n"
-        "q = torch.ones(1, 1, 1, 8); k = torch.ones(1, 1, 4, 8)\n"
-        "print(p.name, torch.ops.inference.decode_attention(q, k, k, torch.tensor([2]), 0, 1.0)"
-        ".sum().item())\n"
-    )
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_BUILDING, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    out = out.stdout.split()
     assert out == [target.name, "8.0"]
     assert target.stat().st_mtime_ns == before
 
@@ -162,17 +167,9 @@ def test_a_new_directory_copies_the_users_cache_instead_of_building(tmp_path) ->
     (the user's cache holds it) copies that file: no build, and the op runs."""
     shared = tmp_path / "xdg" / "inference-svc" / "kernels"
     made = kernels.load(shared)  # registered already here: the library is copied in
-    script = (
-        "import sys, torch; from pathlib import Path; from inference_svc import kernels\n"
-        "kernels._build = lambda *a: sys.exit('rebuilt')\n"
-        "p = kernels.load(Path(sys.argv[1]))\n"
-        "q = torch.ones(1, 1, 1, 8); k = torch.ones(1, 1, 4, 8)\n"
-        "print(p.name, torch.ops.inference.decode_attention(q, k, k, torch.tensor([2]), 0, 1.0)"
-        ".sum().item())\n"
-    )
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
-    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "cc")], env=env,
-                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    cmd = [sys.executable, "-c", LOAD_WITHOUT_BUILDING, str(tmp_path / "cc")]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [made.name, "8.0"], out.stderr
     assert (tmp_path / "cc" / made.name).read_bytes() == made.read_bytes()
 
