@@ -127,6 +127,7 @@ def test_a_bad_variable_is_a_usage_error_naming_it(capsys) -> None:
         (["--embed-batch-wait-ms", "-1"], "--embed-batch-wait-ms must be 0 (off) or more"),
         (["--max-new-tokens", "0"], "--max-new-tokens at least 1"),
         (["--prefill-chunk-tokens", "8"], "--prefill-chunk-tokens must be at least 16"),
+        (["--prefill-stall-steps", "-1"], "--prefill-stall-steps must be 0 (off) or more"),
         (["--kv-cache-memory-fraction", "1.5"], "--kv-cache-memory-fraction must be in (0, 1]"),
         (["--tls-cert-file", "c.pem"], "--tls-cert-file and --tls-key-file go together"),
         (["--tls-client-ca-file", "ca.pem"], "--tls-client-ca-file needs --tls-cert-file"),
