@@ -110,6 +110,12 @@ class EngineCollector(Collector):
         batches = CounterMetricFamily(
             "inference_batches", "Batches run, by their rows", labels=["model", "rows"]
         )
+        chunks = CounterMetricFamily(
+            "inference_prefill_chunks",
+            "Generate prefill chunks run, by their padded width in tokens (narrower while "
+            "streams decode: --prefill-stall-steps)",
+            labels=["model", "tokens"],
+        )
         kv = GaugeMetricFamily(
             "inference_kv_cache_tokens", "Tokens the KV cache holds (0: none yet)", labels=["model"]
         )
@@ -125,10 +131,12 @@ class EngineCollector(Collector):
             rows.add_metric([name], worker.rows_in_use)
             for n, count in sorted(worker.batches_by_rows.items()):
                 batches.add_metric([name, str(n)], count)
+            for n, count in sorted(worker.chunks_by_tokens.items()):
+                chunks.add_metric([name, str(n)], count)
             if runtime.kv_cache_tokens or runtime.profile().has_kv_cache:
                 kv.add_metric([name], runtime.kv_cache_tokens)
                 usage.add_metric([name], kv_cache_usage(runtime, worker.rows_in_use))
-        yield from (depth, rows, batches, kv, usage)
+        yield from (depth, rows, batches, chunks, kv, usage)
 
 
 def kv_cache_usage(runtime: ModelRuntime, rows_in_use: int) -> float:

@@ -45,6 +45,10 @@ class ScriptedRunner:
     def rows(self) -> int:
         return self._rows
 
+    @staticmethod
+    def chunk_width(tokens: int) -> int:
+        return tokens
+
     def prefill(self, chunk) -> None:
         self.chunks.setdefault(chunk.seq.params.seed, []).append(len(chunk.ids))
         time.sleep(self.token_s * len(chunk.ids))

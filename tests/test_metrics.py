@@ -86,6 +86,9 @@ async def test_metrics_follow_warmup_and_traffic(tiny_embed_dir, tiny_lm_dir):
         assert value(after, "inference_time_to_first_token_seconds_count") == 2
         assert value(after, "inference_inter_token_latency_seconds_count") == completion - 2
         assert value(after, "inference_batches_total", model="embedding", rows="2") >= 1
+        prefill = {dict(labels)["tokens"]: n for (name, labels), n in after.items()
+                   if name == "inference_prefill_chunks_total"}  # fmt: skip
+        assert prefill and sum(prefill.values()) >= 2 and set(prefill) <= {"16", "32"}, prefill
         assert value(after, "inference_queue_depth", model="generative") == 0
         assert value(after, "inference_warmup_step_seconds", model="generative", step="profile") > 0
         assert value(after, "inference_kv_cache_tokens", model="generative") > 0

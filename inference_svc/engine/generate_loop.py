@@ -84,6 +84,7 @@ class GenerateLoop:
         if chunk is not None:
             runner.prefill(chunk)
             sched.prefilled(chunk)
+            self.inbox.chunks_by_tokens[runner.chunk_width(len(chunk.ids))] += 1
         decoded = 0
         if ready := sched.ready():
             drawn = runner.sample(ready)

@@ -35,6 +35,7 @@ class Inbox(Generic[J]):
         self.waiting: Callable[[], int] = lambda: 0
         # What metrics read at scrape time: batches run by their rows, rows running now.
         self.batches_by_rows: Counter[int] = Counter()
+        self.chunks_by_tokens: Counter[int] = Counter()  # Generate: prefill chunks, padded width
         self.rows_in_use = 0
 
     def submit(self, job: J) -> None:

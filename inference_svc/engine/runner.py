@@ -12,7 +12,7 @@ from torch import Tensor
 
 from inference_api.plan import Bucket, LogprobsMode, Phase
 from inference_svc.compile_monitor import Origin
-from inference_svc.engine.buckets import GenBuckets
+from inference_svc.engine.buckets import GenBuckets, bucket_for
 from inference_svc.engine.output import Sampled
 from inference_svc.engine.scheduler import Chunk, DecodePlan, Sequence
 from inference_svc.engine.types import GenerateParams
@@ -151,6 +151,10 @@ class GenerateRunner:
         self._logits[:batch] = logits
 
     # -- padding ------------------------------------------------------------------------
+    def chunk_width(self, tokens: int) -> int:
+        """The width a chunk of ``tokens`` prompt tokens is padded to."""
+        return bucket_for(tokens, self.buckets.chunk)
+
     def pad_prefill(self, row: int, ids: list[int], start: int, origin: Origin) -> Tensor:
         """One chunk of a prompt into cache ``row`` from slot ``start``, right-padded to a
         chunk bucket: the padding writes the next free slots, which the next chunk or
