@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from inference_svc.engine.buckets import bucket_for
 from inference_svc.engine.compute import ComputeThread
 from inference_svc.engine.generate_loop import GenerateLoop
 from inference_svc.engine.inbox import Inbox
@@ -25,6 +26,7 @@ from inference_svc.errors import Unavailable
 pytestmark = pytest.mark.unit
 EOS = 0
 STEP_S = 0.005
+WIDTHS = (16, 32, 48, 64)  # the chunk buckets of a 64-token chunk limit
 
 
 def letters(ids: list[int]) -> str:
@@ -47,7 +49,7 @@ class ScriptedRunner:
 
     @staticmethod
     def chunk_width(tokens: int) -> int:
-        return tokens
+        return bucket_for(tokens, WIDTHS)
 
     def prefill(self, chunk) -> None:
         self.chunks.setdefault(chunk.seq.params.seed, []).append(len(chunk.ids))
@@ -101,7 +103,7 @@ def make_loop():
         text = ThreadPoolExecutor(1, thread_name_prefix="text")
         GenerateLoop(inbox, Scheduler(64, frozenset({EOS})), runner,  # type: ignore[arg-type]
                      OutputStage(text, letters, lambda i: letters([i])),
-                     ChunkPacer((16, 32, 48, 64)))  # fmt: skip
+                     ChunkPacer(WIDTHS))  # fmt: skip
         made.append(inbox)
         return inbox
 

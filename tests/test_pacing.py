@@ -34,12 +34,12 @@ def test_the_widest_chunk_until_rows_decode_or_before_anything_was_measured() ->
 def test_the_limit_follows_the_measured_costs() -> None:
     p = ChunkPacer(WIDTHS)
     p.observe(0, 8, 0.010)
-    p.observe(40, 8, 0.028)  # a 40-token chunk is padded to 48: 18 ms of its own
+    p.observe(48, 8, 0.028)  # a chunk padded to 48 tokens: 18 ms of its own
     assert p.limit(8) == 48  # 64 would cost 24 ms: more than two steps
     for _ in range(20):  # the 48-wide chunk turns out dearer: narrower
         p.observe(48, 8, 0.035)
     assert p.limit(8) == 32  # ~25 ms * 32 / 48 = ~17 ms
-    p.observe(20, 0, 0.030)  # alone (no step beside it): its whole time is its own
+    p.observe(32, 0, 0.030)  # alone (no step beside it): its whole time is its own
     assert p.cost(32) == pytest.approx(0.030) and p.limit(8) == 16
 
 

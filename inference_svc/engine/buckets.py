@@ -137,9 +137,13 @@ class GenBuckets:
         """Every batch the sampler runs at: what SAMPLER warms."""
         return tuple(sorted({max(b, self.sampler_from) for b in self.decode_batch}))
 
+    def chunk_width(self, n: int) -> int:
+        """The width a prefill chunk of ``n`` tokens is padded to."""
+        return bucket_for(n, self.chunk)
+
     def chunk_shape(self, start: int, n: int) -> Bucket:
         """The padded shape of a prefill chunk of ``n`` tokens written from slot ``start``."""
-        width = bucket_for(n, self.chunk)
+        width = self.chunk_width(n)
         context = bucket_for(min(start + width, self.max_seq_len), self.context)
         return Bucket(Phase.PREFILL, 1, width, context)
 

@@ -81,10 +81,12 @@ class GenerateLoop:
         sched, runner, pacer = self.scheduler, self.runner, self.pacer
         start = time.perf_counter()
         chunk = sched.next_chunk(pacer.limit(sched.decoding, sched.prompts) if pacer else None)
+        width = 0
         if chunk is not None:
             runner.prefill(chunk)
             sched.prefilled(chunk)
-            self.inbox.chunks_by_tokens[runner.chunk_width(len(chunk.ids))] += 1
+            width = runner.chunk_width(len(chunk.ids))
+            self.inbox.chunks_by_tokens[width] += 1
         decoded = 0
         if ready := sched.ready():
             drawn = runner.sample(ready)
@@ -96,8 +98,7 @@ class GenerateLoop:
                 self.inbox.batches_by_rows[len(plan.tokens)] += 1
                 decoded = len(plan.tokens)
         if pacer:
-            tokens = len(chunk.ids) if chunk else 0
-            pacer.observe(tokens, decoded, time.perf_counter() - start)
+            pacer.observe(width, decoded, time.perf_counter() - start)
 
     def _shut_down(self) -> None:
         stopped = Unavailable(f"model {self.name}: the service is stopping")

@@ -33,8 +33,6 @@ buckets COMPILE warmed (tests/test_pacing.py).
 
 from __future__ import annotations
 
-from inference_svc.engine.buckets import bucket_for
-
 STALL = 2.0  # a chunk may cost this many decode iterations: a gap of at most ~3 steps
 WEIGHT = 0.25  # the newest measurement's weight in each average
 
@@ -75,14 +73,13 @@ class ChunkPacer:
         near = min(self._cost, key=lambda w: abs(w - width))
         return self._cost[near] * width / near
 
-    def observe(self, tokens: int, rows: int, seconds: float) -> None:
-        """One iteration took ``seconds``: a chunk of ``tokens`` (0: none) beside a decode
-        step of ``rows`` rows (0: none)."""
-        if not tokens:
+    def observe(self, width: int, rows: int, seconds: float) -> None:
+        """One iteration took ``seconds``: a chunk padded to ``width`` (0: none) beside a
+        decode step of ``rows`` rows (0: none)."""
+        if not width:
             if rows:
                 self._plain[rows] = _average(self._plain.get(rows), seconds)
             return
-        width = bucket_for(tokens, self.widths)
         own = seconds - (self.plain(rows) or 0.0) if rows else seconds
         if own > 0:
             self._cost[width] = _average(self._cost.get(width), own)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from inference_api.plan import Bucket, LogprobsMode, Phase
 from inference_svc.compile_monitor import Origin
-from inference_svc.engine.buckets import GenBuckets, bucket_for
+from inference_svc.engine.buckets import GenBuckets
 from inference_svc.engine.output import Sampled
 from inference_svc.engine.scheduler import Chunk, DecodePlan, Sequence
 from inference_svc.engine.types import GenerateParams
@@ -153,7 +153,7 @@ class GenerateRunner:
     # -- padding ------------------------------------------------------------------------
     def chunk_width(self, tokens: int) -> int:
         """The width a chunk of ``tokens`` prompt tokens is padded to."""
-        return bucket_for(tokens, self.buckets.chunk)
+        return self.buckets.chunk_width(tokens)
 
     def pad_prefill(self, row: int, ids: list[int], start: int, origin: Origin) -> Tensor:
         """One chunk of a prompt into cache ``row`` from slot ``start``, right-padded to a
