@@ -26,9 +26,9 @@ from inference_api.stubs.inference.v1 import inference_pb2 as pb
 from inference_svc.compile_monitor import CompileMonitor
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.embedding import load_embedding
-from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
+from inference_svc.models.loading import offline
 from tests.conftest import TORCH_COMPILE, tiny_args
-from tests.models import build_tiny_embedder
+from tests.models import build_tiny_embedder, packaged_tokenizer
 from tests.rpc import serving
 
 pytestmark = pytest.mark.rpc
@@ -95,10 +95,9 @@ def _decoder(raw: Path) -> None:
     """Qwen3 with the SmolLM2 tokenizer, padded on the left and ending each input with an
     end-of-text token, as Qwen3-Embedding's tokenizer does."""
     from tokenizers.processors import TemplateProcessing
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3Model
+    from transformers import Qwen3Config, Qwen3Model
 
-    lm = resolve_lm_dir("default")
-    tokenizer = AutoTokenizer.from_pretrained(str(lm), gguf_file=gguf_file(lm))
+    tokenizer = packaged_tokenizer()
     eos = tokenizer.eos_token
     tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
         single=f"$A {eos}", special_tokens=[(eos, tokenizer.eos_token_id)]

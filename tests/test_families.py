@@ -19,7 +19,6 @@ from inference_svc.engine.runner import GenerateRunner
 from inference_svc.limits import GenLimits
 from inference_svc.models.compile import ModelContext
 from inference_svc.models.generative import load_generative
-from inference_svc.models.loading import gguf_file, offline, resolve_lm_dir
 from inference_svc.models.weights import convert_linears
 from inference_svc.sampling import Sampler
 from tests.conftest import TORCH_COMPILE
@@ -84,13 +83,9 @@ FAMILIES = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from transformers import AutoTokenizer
+    from tests.models import packaged_tokenizer
 
-    offline()  # the packaged SmolLM2's tokenizer (its model is not needed)
-    packaged = resolve_lm_dir("default")
-    return AutoTokenizer.from_pretrained(
-        str(packaged), gguf_file=gguf_file(packaged), local_files_only=True
-    )
+    return packaged_tokenizer()  # the packaged SmolLM2's
 
 
 def build(directory: Path, family: str, tokenizer, **extra: object) -> Path:

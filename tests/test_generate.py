@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inference_api.stubs.inference.v1 import inference_pb2 as pb
-from inference_svc.models.loading import load_hf_causal_lm, resolve_lm_dir
+from tests.models import packaged_reference_lm, packaged_tokenizer
 
 pytestmark = pytest.mark.rpc
 
@@ -31,8 +31,7 @@ def sampled(seed: int | None = None, max_tokens: int = 16) -> pb.SamplingParams:
 
 @pytest.fixture(scope="module")
 def reference():
-    model, tokenizer = load_hf_causal_lm(resolve_lm_dir("default"), torch.float32)
-    return model.eval(), tokenizer
+    return packaged_reference_lm(), packaged_tokenizer()
 
 
 def reference_greedy(reference, ids: list[int], n: int) -> list[int]:

@@ -75,10 +75,9 @@ def test_a_character_split_over_two_tokens_waits_for_its_second_half():
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from inference_svc.models.loading import load_causal_lm_parts, resolve_lm_dir
+    from tests.models import packaged_tokenizer
 
-    _, _, tok = load_causal_lm_parts(resolve_lm_dir("default"), None)
-    return tok
+    return packaged_tokenizer()
 
 
 def test_incremental_text_equals_decoding_the_whole_output(smollm_tokenizer) -> None:
