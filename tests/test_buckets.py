@@ -19,7 +19,9 @@ def test_the_lists() -> None:
     b = GenBuckets.plan(LIMITS, CompilationMode.DEFAULT)
     assert b.batch == (2, 4, 8, 16) and b.chunk == (16, 32, 48, 64)
     assert b.context == (32, 64, 128, 160) and powers_of_two(160, 32) == b.context
-    assert GenBuckets.plan(LIMITS, CompilationMode.NONE).batch == (1, 2, 4, 8, 16)
+    # eager and AOTInductor packages: a step runs the rows it has, unpadded
+    assert GenBuckets.plan(LIMITS, CompilationMode.NONE).batch == tuple(range(1, 17))
+    assert GenBuckets.plan(LIMITS, CompilationMode.DEFAULT, aoti=True).batch_for(9) == 9
     assert b.largest() == (Bucket(Phase.DECODE, 16, 1, 160), b.prefill()[-1])
 
 
@@ -31,21 +33,25 @@ def test_cache_rows_are_whole_batch_buckets() -> None:
     sized = b.with_rows(8)
     assert sized.decode_batch == (2, 4, 8) and sized.batch_for(5) == 8
     assert max(x.batch_size for x in sized.decode()) == 8
+    eager = GenBuckets.plan(LIMITS, CompilationMode.NONE)
+    assert eager.rows_for(13 * 160) == 13 and eager.with_rows(13).batch_for(13) == 13
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    rows=st.sampled_from([0, 2, 4, 8, 16]),
+    rows=st.sampled_from([0, 2, 4, 8, 13, 16]),
+    mode=st.sampled_from([CompilationMode.DEFAULT, CompilationMode.NONE]),
     prompt=st.integers(1, LIMITS.max_input_tokens),
     data=st.data(),
 )
-def test_every_padded_shape_is_a_declared_one(rows: int, prompt: int, data) -> None:
-    b = GenBuckets.plan(LIMITS, CompilationMode.DEFAULT).with_rows(rows)
+def test_every_padded_shape_is_a_declared_one(rows: int, mode, prompt: int, data) -> None:
+    b = GenBuckets.plan(LIMITS, mode)
+    b = b.with_rows(b.rows_for(rows * LIMITS.max_seq_len) if rows else 0)
     declared = set(b.all())
     chunk = b.chunk[-1]
     for start in range(0, prompt, chunk):  # the chunks the scheduler cuts a prompt into
         assert b.chunk_shape(start, min(chunk, prompt - start)) in declared
-    busy = data.draw(st.integers(1, rows or b.batch[-1]))
+    busy = data.draw(st.integers(1, b.rows or b.batch[-1]))
     top = data.draw(st.integers(0, LIMITS.max_seq_len - 1))
     assert b.decode_shape(busy, top) in declared
 
