@@ -186,8 +186,8 @@ def test_artifacts_for_another_key_are_not_used_and_the_log_says_why(
 
 
 # CompileArtifacts.open in a fresh interpreter (inductor caches its ISA checks per process):
-# first a start that loads kept artifacts, then one that compiles; prints the libraries then
-# in inductor's own directory and in the compiling start's private one.
+# a start that loads kept artifacts, one that compiles for a GPU, one that compiles for the
+# CPU; prints the libraries then in inductor's own directory and in the start's private one.
 ISA_CHECKS = """
 import os, sys
 from pathlib import Path
@@ -196,9 +196,9 @@ from tests.test_artifacts import keep, key
 root, inductor = Path(sys.argv[1]), Path(sys.argv[2])
 libraries = lambda d: len(list(d.rglob("*.so")))
 keep(root / "kept", key())
-for name in ("kept", "new"):
+for name in ("kept", "gpu", "new"):
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)  # as the user set it
-    start = CompileArtifacts(root / name, key())
+    start = CompileArtifacts(root / name, key(), cpu=name != "gpu")
     start.open()
     print(name, start.loaded, libraries(inductor), libraries(start.staging))
     start.close()
@@ -210,16 +210,16 @@ def test_a_compiling_start_runs_inductors_isa_checks_in_its_lasting_directory(
 ) -> None:
     """Inductor test-builds a library per vector ISA the first time a process compiles,
     into its cache directory: a start that compiles runs them in inductor's directory (where
-    the next start finds them), not in its own empty one; a start from kept artifacts runs
-    none."""
+    the next start finds them), not in its own empty one; a start from kept artifacts, or
+    one whose models run on a GPU, runs none."""
     inductor = tmp_path / "inductor"
     run = subprocess.run(
         [sys.executable, "-c", ISA_CHECKS, str(tmp_path), str(inductor)],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1],
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    kept, new = (line.split() for line in run.stdout.splitlines()[-2:])
-    assert kept == ["kept", "True", "0", "0"], run.stdout
+    kept, gpu, new = (line.split() for line in run.stdout.splitlines()[-3:])
+    assert kept == ["kept", "True", "0", "0"] and gpu == ["gpu", "False", "0", "0"], run.stdout
     assert new[:2] == ["new", "False"] and int(new[2]) > 0 and new[3] == "0", run.stdout
 
 

@@ -84,7 +84,8 @@ def _isa_checks_where_they_last() -> None:
     finds them. A start that compiles points that directory at its own empty one (``open``),
     so every cold start paid them again: run them first, in inductor's directory as the user
     set it (its answers are then cached in this process). A start from kept artifacts skips
-    this: it needs no check (a restart built nothing: 0 compiler runs).
+    this: it needs no check (a restart built nothing: 0 compiler runs); so does one whose
+    models run on a GPU (inductor's C++ may never be needed there).
     """
     from torch._inductor import cpu_vec_isa
 
@@ -97,8 +98,9 @@ class CompileArtifacts:
     """The kept artifacts of one start: opened before the models are built (torch.compile
     looks up Dynamo packages then), published after the last warmup step."""
 
-    def __init__(self, root: Path, key: ArtifactKey) -> None:
+    def __init__(self, root: Path, key: ArtifactKey, cpu: bool = True) -> None:
         self.root, self.key = root, key
+        self.cpu = cpu  # the models run on a CPU (inductor generates C++ for them)
         self.entry = root / key.digest
         parent = work_parent(root)
         prefix = ".work-" if parent == root else "inference-svc-compile-"  # hidden in the root
@@ -109,7 +111,7 @@ class CompileArtifacts:
     def open(self) -> None:
         """Choose, then point torch at the working directory. On the compiling thread."""
         self.choose()
-        if not self.loaded:
+        if not self.loaded and self.cpu:
             _isa_checks_where_they_last()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.staging)
         # Dynamo packages on (torch.compile saves and finds them). torch 2.13 keeps config
@@ -276,7 +278,10 @@ def for_config(config: ServiceConfig, model_dirs: dict[str, Path]) -> CompileArt
     if aoti:
         mode += f" freeze={config.freeze_weights}"
     key = make_key(mode, numerics, shapes, model_dirs)
-    return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key)
+    from inference_svc.models.loading import pick_device
+
+    cpu = pick_device(config.device).type == "cpu"
+    return CompileArtifacts(Path(config.compile_cache_dir).expanduser(), key, cpu=cpu)
 
 
 def _not_kept(staging: Path) -> Callable[[str, list[str]], set[str]]:
