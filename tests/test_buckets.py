@@ -21,7 +21,11 @@ def test_the_lists() -> None:
     assert b.context == (32, 64, 128, 160) and powers_of_two(160, 32) == b.context
     # eager and AOTInductor packages: a step runs the rows it has, unpadded
     assert GenBuckets.plan(LIMITS, CompilationMode.NONE).batch == tuple(range(1, 17))
-    assert GenBuckets.plan(LIMITS, CompilationMode.DEFAULT, aoti=True).batch_for(9) == 9
+    packages = GenBuckets.plan(LIMITS, CompilationMode.DEFAULT, aoti=True)
+    assert packages.batch_for(9) == 9 and packages.sampler_batch(9) == 9
+    # their eager sampler compiles nothing per size: SAMPLER warms powers of two
+    assert packages.sampler_batches == (1, 2, 4, 8, 16)
+    assert b.sampler_batches == (2, 4, 8, 16)  # torch.compile's: every batch it runs at
     assert b.largest() == (Bucket(Phase.DECODE, 16, 1, 160), b.prefill()[-1])
 
 
