@@ -42,12 +42,6 @@ def batch_sizes(limit: int, mode: CompilationMode, aoti: bool = False) -> tuple[
     return powers_of_two(max(limit, 2), smallest=2)
 
 
-def decode_batch_sizes(limit: int, mode: CompilationMode, aoti: bool = False) -> tuple[int, ...]:
-    if mode is CompilationMode.NONE or aoti:
-        return tuple(range(1, limit + 1))
-    return batch_sizes(limit, mode, aoti)
-
-
 def bucket_for(n: int, buckets: tuple[int, ...]) -> int:
     for b in buckets:
         if n <= b:
@@ -98,9 +92,12 @@ class GenBuckets:
     @classmethod
     def plan(cls, limits: GenLimits, mode: CompilationMode, aoti: bool = False) -> GenBuckets:
         chunk = min(limits.prefill_chunk, limits.max_input_tokens)
+        eager = mode is CompilationMode.NONE or aoti  # nothing compiled per batch size
         return cls(
-            sampler_from=1 if mode is CompilationMode.NONE or aoti else 2,  # aoti: eager sampler
-            batch=decode_batch_sizes(limits.max_batch, mode, aoti),
+            sampler_from=1 if eager else 2,  # aoti: eager sampler
+            batch=tuple(range(1, limits.max_batch + 1))
+            if eager
+            else batch_sizes(limits.max_batch, mode),
             chunk=tuple(sorted({*range(16, chunk, 16), chunk})),
             context=powers_of_two(limits.max_seq_len, smallest=32),
             max_seq_len=limits.max_seq_len,
@@ -146,10 +143,9 @@ class GenBuckets:
         packages) compiles nothing per size: its powers of two and the largest, as before
         every size was a decode batch (all 16 took the packaged vocabulary's SAMPLER step
         from 0.5 to 2.0 s, a quarter of a restart)."""
-        sizes = {max(b, self.sampler_from) for b in self.decode_batch}
         if self.sampler_from == 1:
-            sizes = {b for b in sizes if b & (b - 1) == 0} | {max(sizes)}
-        return tuple(sorted(sizes))
+            return powers_of_two(self.decode_batch[-1], smallest=1)
+        return tuple(sorted({max(b, self.sampler_from) for b in self.decode_batch}))
 
     def chunk_width(self, n: int) -> int:
         """The width a prefill chunk of ``n`` tokens is padded to."""
