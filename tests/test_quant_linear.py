@@ -168,6 +168,29 @@ def test_near_torchs_int4_kernel_on_a_model_sized_layer() -> None:
     assert (ours - torchs).norm() / torchs.norm() < 0.02
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_threads_split_a_model_sized_layer_without_changing_a_bit(bits: int) -> None:
+    """Where the layer is large enough for both threads (a call quantises its input and runs
+    its weight blocks in one parallel region, each thread a share of each), every output is
+    the one a single thread computes: the same products, summed in the same order."""
+    gen = torch.Generator().manual_seed(bits)
+    linear = nn.Linear(576, 960, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(960, 576, generator=gen) * 0.05)
+    layer = QuantLinear(linear, bits)
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, 576, generator=gen)
+            torch.set_num_threads(1)
+            alone = layer(x)
+            torch.set_num_threads(2)
+            assert torch.equal(layer(x), alone), rows
+            assert torch.allclose(alone.double(), emulate(layer, x), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _comes_back(bits: int, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> None:
     """A GGUF tensor [16, 64] (w = q * d (+ m), d and m float16 per group of 32) packed by
     QuantLinear: its q, scales and minimums exactly."""

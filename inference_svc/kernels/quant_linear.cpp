@@ -28,12 +28,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
+#include <omp.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -55,9 +55,11 @@ using Half = uint16_t;     // float16's bits: the scales and minimums
 // so that for 4 bits, with dot the integer sum over the raw q in [0, 15],
 //   sum (q - 8) xhat + 8 sum x = d1 dot1 + d2 dot2 + e
 // and a group's two terms cost two conversions and four FMAs together.
-struct Quantised {
-  std::unique_ptr<int8_t[]> xq;  // not value-initialised: every byte is written
-  std::vector<float> d1, d2, xs, e;
+// Kept per calling thread and grown as needed: a decode step calls the op ~120 times, and
+// allocating them at each call was ~4 % of a one-row step (perf, AMD EPYC).
+struct Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> per_group;  // d1, d2, xs, e: M * G each
 };
 
 // A term's scale d = max|r| / 127 and its inverse (0 for a group of zeros): one definition for
@@ -68,7 +70,7 @@ struct TermScale {
 };
 
 // One group of 32 values of x into its two terms (q1, q2: 32 int8 each) and its d1, d2, sum
-// and e (see Quantised). The rounding is to nearest, ties to even, as std::nearbyint's.
+// and e (see Scratch). The rounding is to nearest, ties to even, as std::nearbyint's.
 #ifdef QL_AVX2
 inline float hmax(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -152,22 +154,8 @@ void quantise_group(const float* xg, int8_t* q1, int8_t* q2, float& d1, float& d
 }
 #endif
 
-Quantised quantise(const float* x, int64_t M, int64_t K) {
-  const int64_t G = K / GROUP;
-  const auto per = [&] { return std::vector<float>(M * G); };
-  Quantised out{std::unique_ptr<int8_t[]>(new int8_t[2 * M * K]), per(), per(), per(), per()};
-  at::parallel_for(0, M * G, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m = i / G, g = i % G;
-      int8_t* q1 = out.xq.get() + 2 * m * K + g * GROUP;
-      // group g of row m is at m * K + g * 32 = i * 32
-      quantise_group(x + i * GROUP, q1, q1 + K, out.d1[i], out.d2[i], out.xs[i], out.e[i]);
-    }
-  });
-  return out;
-}
-
-// Input rows m0... of a Quantised: their two terms' rows and their per-group values.
+// Input rows m0... of the quantised input (Scratch): their two terms' rows and their per-group
+// values.
 struct Rows {
   const int8_t* xq;
   const float *d1, *d2, *xs, *e;
@@ -264,14 +252,20 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
   shape.back() = N;
   Tensor y = at::empty({M, N}, xf.options());
   if (M == 0) return y.view(shape).to(x.scalar_type());
-  const Quantised xq = quantise(xf.const_data_ptr<float>(), M, K);
-  const Rows all{xq.xq.get(), xq.d1.data(), xq.d2.data(), xq.xs.data(), xq.e.data(), K, G};
+  thread_local Scratch scratch;
+  const int64_t MG = M * G;
+  if (static_cast<int64_t>(scratch.xq.size()) < 2 * M * K) scratch.xq.resize(2 * M * K);
+  if (static_cast<int64_t>(scratch.per_group.size()) < 4 * MG) scratch.per_group.resize(4 * MG);
+  int8_t* xq = scratch.xq.data();
+  float* d1 = scratch.per_group.data();
+  const Rows all{xq, d1, d1 + MG, d1 + 2 * MG, d1 + 3 * MG, K, G};
+  const float* xp = xf.const_data_ptr<float>();
   const auto* qp = static_cast<const uint8_t*>(q.const_data_ptr());
   const auto* sp = static_cast<const Half*>(scales.const_data_ptr());
   const auto* mp = bits == 4 ? static_cast<const Half*>(mins.const_data_ptr()) : nullptr;
   float* yp = y.mutable_data_ptr<float>();
   const int64_t qblock = K * NB * bits / 8, sblock = G * NB;  // one block's bytes, scales
-  at::parallel_for(0, NBLK, 8, [&](int64_t b0, int64_t b1) {
+  const auto blocks = [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1;) {
       const bool wide = Wide::BLOCKS == 2 && b + 1 < b1 && M >= WIDE_ROWS;
       const uint8_t* qb = qp + b * qblock;
@@ -289,7 +283,26 @@ Tensor quant_linear(const Tensor& x, const Tensor& q, const Tensor& scales, cons
       }
       b += wide ? 2 : 1;
     }
-  });
+  };
+  // One parallel region a call (one wake of the team, one wait at its end): each thread
+  // quantises its share of the input's groups, waits for the others, then runs its share of
+  // the weight blocks (contiguous, as at::parallel_for's with a grain of 8 blocks).
+  const int64_t threads =
+      at::in_parallel_region() ? 1 : std::min<int64_t>(at::get_num_threads(), (NBLK + 7) / 8);
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
+    for (int64_t i = MG * t / team; i < MG * (t + 1) / team; ++i) {
+      // group g of row m (i = m G + g): at m * K + g * 32 = i * 32 in x, its terms' bytes at
+      // 2 m K + g * 32 and K on
+      int8_t* q1 = xq + 2 * (i / G) * K + (i % G) * GROUP;
+      quantise_group(xp + i * GROUP, q1, q1 + K, d1[i], d1[MG + i], d1[2 * MG + i],
+                     d1[3 * MG + i]);
+    }
+#pragma omp barrier
+    const int64_t chunk = (NBLK + team - 1) / team;
+    blocks(std::min(NBLK, t * chunk), std::min(NBLK, (t + 1) * chunk));
+  }
   return y.view(shape).to(x.scalar_type());
 }
 
